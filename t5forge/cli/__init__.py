@@ -1,0 +1,1 @@
+"""Command-line entry points (wiring only; nothing imports this package)."""

@@ -1,0 +1,46 @@
+"""Dispatches `t5forge <command> [flags]` to the module that implements the command.
+
+Each command module has `main(argv: list[str]) -> int | None`. Commands are imported
+lazily so that `t5forge convert --help` does not pay for importing the trainer.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+from t5forge.errors import UserError
+
+# command name -> (module, one-line help)
+COMMANDS = {
+    "convert": ("t5forge.cli.convert", "convert checkpoints between HF, T5X and t5forge formats"),
+    "vocab": ("t5forge.cli.vocab", "train or inspect SentencePiece vocabularies"),
+}
+
+
+def _usage() -> str:
+  lines = ["usage: t5forge <command> [flags]", "", "commands:"]
+  lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
+  lines += ["", "`t5forge <command> --help` shows a command's flags."]
+  return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if not argv or argv[0] in ("-h", "--help", "help"):
+    print(_usage())
+    sys.exit(0)
+  name, rest = argv[0], argv[1:]
+  if name not in COMMANDS:
+    print(f"t5forge: error: unknown command {name!r}; choose one of: {', '.join(COMMANDS)}",
+          file=sys.stderr)
+    sys.exit(2)
+  module = importlib.import_module(COMMANDS[name][0])
+  try:
+    code = module.main(rest)
+  except UserError as e:
+    print(f"t5forge: error: {e}", file=sys.stderr)
+    sys.exit(2)
+  except KeyboardInterrupt:
+    print("t5forge: interrupted", file=sys.stderr)
+    sys.exit(130)
+  sys.exit(code or 0)

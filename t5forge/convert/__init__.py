@@ -1,0 +1,142 @@
+"""Checkpoint formats: Hugging Face, T5X native, and t5forge's own; one entry to read any.
+
+`load_checkpoint(path)` decides the format from what is on disk:
+
+- a t5forge checkpoint directory (`params/` + `config/`), or a MODEL_DIR holding
+  `checkpoint_<step>/` directories (the latest complete one is read);
+- a Hugging Face directory (`config.json` + `model.safetensors` / `pytorch_model.bin` /
+  sharded index);
+- a T5X checkpoint (`checkpoint_<step>/` with a msgpack `checkpoint` file, or the file);
+- a Hugging Face Hub name such as `google/flan-t5-base`, downloaded when the machine is
+  online (set HF_HUB_OFFLINE=1 to forbid it).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from t5forge.convert import hf, native, t5x
+from t5forge.errors import UserError
+from t5forge.nn.config import ModelConfig
+
+HF, T5X, T5FORGE = "hf", "t5x", "t5forge"
+
+
+@dataclasses.dataclass
+class LoadedCheckpoint:
+  """What `load_checkpoint` found.
+
+  Attributes:
+    config: the model config.
+    params: float32 parameter tree (numpy or jax arrays).
+    format: 'hf', 't5x' or 't5forge'.
+    path: the directory or file actually read (e.g. the latest checkpoint_<step>).
+    step: training step, when the format records one (else 0).
+    extras: format-specific leftovers, e.g. T5X's optimizer `param_states`, or the
+      t5forge config item (vocabulary spec ...).
+  """
+
+  config: ModelConfig
+  params: dict
+  format: str
+  path: str
+  step: int = 0
+  extras: dict = dataclasses.field(default_factory=dict)
+
+
+def _describe(path: str) -> str:
+  try:
+    entries = sorted(os.listdir(path))[:8]
+  except OSError:
+    return "unreadable"
+  return ", ".join(entries) if entries else "an empty directory"
+
+
+def _looks_like_hub_name(path: str) -> bool:
+  parts = path.split("/")
+  return (not os.path.isabs(path) and not path.startswith(".") and len(parts) <= 2
+          and all(p and not p.startswith(".") for p in parts))
+
+
+def _download(name: str) -> str:
+  try:
+    from huggingface_hub import snapshot_download  # pylint: disable=import-outside-toplevel
+    return snapshot_download(repo_id=name, allow_patterns=[
+        "config.json", "*.safetensors", "*.safetensors.index.json", "spiece.model",
+        "tokenizer*.json", "special_tokens_map.json", "generation_config.json"])
+  except Exception as e:  # network, auth, missing repo: all mean "not loadable from here"
+    reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+    raise UserError(
+        f"{name!r} is not a local path and could not be fetched from the Hugging Face Hub "
+        f"({type(e).__name__}: {reason}). On an offline machine, download it elsewhere "
+        f"(`hf download {name}`) and pass the local directory.") from None
+
+
+def detect_format(path: str) -> str:
+  """'t5forge', 'hf' or 't5x' for an existing local path; UserError otherwise."""
+  if os.path.isdir(path):
+    if native.is_native_checkpoint(path) or native.checkpoint_steps(path):
+      return T5FORGE
+    if hf.is_hf_dir(path):
+      return HF
+    if os.path.isfile(os.path.join(path, hf.CONFIG_FILE)):
+      raise UserError(f"{path}: has config.json but no weights; expected "
+                      f"{hf.SAFETENSORS}, {hf.TORCH_BIN} or a sharded *.index.json beside it")
+    if t5x.is_t5x_checkpoint(path):
+      return T5X
+    raise UserError(f"{path}: not a checkpoint; found {_describe(path)}. Expected a "
+                    "t5forge checkpoint or MODEL_DIR, an HF directory (config.json + "
+                    "model.safetensors) or a T5X checkpoint_<step> directory")
+  if os.path.isfile(path):
+    if t5x.is_t5x_checkpoint(path):
+      return T5X
+    raise UserError(f"{path}: a file that is not a T5X msgpack checkpoint; pass the "
+                    "directory that holds the checkpoint instead")
+  raise UserError(f"{path}: no such file or directory")
+
+
+# Fields a caller may change on load: they alter computation, not parameter shapes
+# (scan_layers changes only the layout, which `relayout` converts).
+RUNTIME_FIELDS = ("dtype", "scan_layers", "remat_policy", "dropout_rate",
+                  "float32_attention_logits")
+
+
+def relayout(params: dict, *, scanned: bool, to_scanned: bool) -> dict:
+  """Converts parameters between the per-layer and the scanned (stacked) layout."""
+  from t5forge.nn.stack import stack_layers, unstack_layers  # pylint: disable=import-outside-toplevel
+  if scanned == to_scanned:
+    return params
+  return stack_layers(params) if to_scanned else unstack_layers(params)
+
+
+def load_checkpoint(path: str, **overrides) -> LoadedCheckpoint:
+  """Reads parameters and config from any supported checkpoint (see module doc).
+
+  Args:
+    path: local path, or a Hugging Face Hub name.
+    **overrides: ModelConfig fields to change on load, from RUNTIME_FIELDS (e.g.
+      dtype='bfloat16', scan_layers=True, dropout_rate=0.0).
+  """
+  bad = sorted(set(overrides) - set(RUNTIME_FIELDS))
+  if bad:
+    raise UserError(f"cannot override {bad} when loading a checkpoint; only "
+                    f"{list(RUNTIME_FIELDS)} may change")
+  if not os.path.exists(path) and _looks_like_hub_name(path):
+    path = _download(path)
+  fmt = detect_format(path)
+  step, extras = 0, {}
+  if fmt == T5FORGE:
+    ckpt_dir = path if native.is_native_checkpoint(path) else native.latest_checkpoint(path)
+    if ckpt_dir is None:
+      raise UserError(f"{path}: no complete checkpoint_<step> directory inside")
+    config, params, extras = native.load(ckpt_dir)
+    m = native._STEP_DIR.match(os.path.basename(ckpt_dir.rstrip("/")))
+    step, path = (int(m.group(1)) if m else 0), ckpt_dir
+  elif fmt == HF:
+    config, params = hf.load_hf(path)
+  else:
+    config, params, extras = t5x.load_t5x(path)
+    step = extras["step"]
+  new_config = config.replace(**overrides) if overrides else config
+  params = relayout(params, scanned=config.scan_layers, to_scanned=new_config.scan_layers)
+  return LoadedCheckpoint(new_config, params, fmt, path, step=step, extras=extras)

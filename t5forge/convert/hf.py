@@ -1,0 +1,347 @@
+"""Hugging Face T5 checkpoints <-> t5forge parameters, both ways, without torch.
+
+Reads a local directory holding `config.json` and weights as `model.safetensors`,
+`pytorch_model.bin`, or sharded `*.index.json` files; writes a directory that
+`transformers.T5ForConditionalGeneration.from_pretrained` loads (transformers 4.x and
+5.x). Covers T5 1.0, T5.1.1, Flan-T5, mT5 and ByT5 (`model_type` t5 or mt5).
+
+Tied output layers: transformers 4.x wrote `"tie_word_embeddings": false` for T5.1.1 /
+Flan-T5 and stored a separate `lm_head.weight`; 5.x always writes `true` and records the
+logit scaling as `scale_decoder_outputs`, unting only when the weights hold a distinct
+`lm_head.weight`. We read both: untied iff the config says `false` or the file holds an
+`lm_head.weight` different from `shared.weight`; scaled iff `scale_decoder_outputs`
+(5.x) or, without it, iff `tie_word_embeddings` is not false (4.x) and the model is not
+an mT5 (transformers' MT5 never rescales).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Callable, Iterator
+
+import numpy as np
+
+from t5forge.errors import UserError
+from t5forge.nn.config import ModelConfig
+from t5forge.nn.stack import stack_layers, unstack_layers
+
+CONFIG_FILE = "config.json"
+SAFETENSORS = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+TORCH_BIN = "pytorch_model.bin"
+TORCH_INDEX = "pytorch_model.bin.index.json"
+TOKENIZER_FILES = ("spiece.model", "tokenizer.json", "tokenizer_config.json",
+                   "special_tokens_map.json", "added_tokens.json")
+
+SUPPORTED_ARCHITECTURES = ("T5ForConditionalGeneration", "MT5ForConditionalGeneration")
+
+# feed_forward_proj -> our mlp_activations.
+_ACTIVATIONS = {
+    "relu": ("relu",),
+    "gelu": ("gelu_exact",),
+    "gelu_new": ("gelu",),
+    "silu": ("silu",),
+    "gated-gelu": ("gelu", "linear"),
+    "gated-gelu_new": ("gelu", "linear"),
+    "gated-relu": ("relu", "linear"),
+    "gated-silu": ("silu", "linear"),
+}
+_FEED_FORWARD_PROJ = {
+    ("relu",): "relu", ("gelu_exact",): "gelu", ("gelu",): "gelu_new", ("silu",): "silu",
+    ("gelu", "linear"): "gated-gelu", ("relu", "linear"): "gated-relu",
+    ("silu", "linear"): "gated-silu",
+}
+
+
+def is_hf_dir(path: str) -> bool:
+  return os.path.isfile(os.path.join(path, CONFIG_FILE)) and any(
+      os.path.isfile(os.path.join(path, f))
+      for f in (SAFETENSORS, SAFETENSORS_INDEX, TORCH_BIN, TORCH_INDEX))
+
+
+def read_hf_config(model_dir: str) -> dict:
+  path = os.path.join(model_dir, CONFIG_FILE)
+  if not os.path.isfile(path):
+    raise UserError(f"{model_dir}: no {CONFIG_FILE}; an HF T5 directory needs config.json "
+                    f"and {SAFETENSORS} (or {TORCH_BIN}, or a sharded *.index.json)")
+  try:
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise UserError(f"{path}: not valid JSON ({e})") from None
+
+
+def config_from_hf(hf: dict, *, untied_lm_head: bool, source: str) -> ModelConfig:
+  """HF config.json fields -> ModelConfig.
+
+  Args:
+    untied_lm_head: the weights hold an `lm_head.weight` distinct from `shared.weight`.
+    source: the file the fields came from, for error messages.
+  """
+  model_type = hf.get("model_type")
+  archs = hf.get("architectures") or []
+  if model_type not in ("t5", "mt5") or (archs and not set(archs) & set(SUPPORTED_ARCHITECTURES)):
+    what = ", ".join(archs) or f"model_type {model_type!r}"
+    raise UserError(f"{source}: unsupported HF architecture {what}; t5forge reads "
+                    f"{' and '.join(SUPPORTED_ARCHITECTURES)} (T5 1.0, T5.1.1, Flan-T5, mT5, "
+                    "ByT5)")
+  proj = hf.get("feed_forward_proj", "relu")
+  if proj not in _ACTIVATIONS:
+    raise UserError(f"{source}: feed_forward_proj {proj!r} is not supported; "
+                    f"known: {sorted(_ACTIVATIONS)}")
+  try:
+    num_layers = int(hf["num_layers"])
+    tie_flag = hf.get("tie_word_embeddings", True)
+    tied = tie_flag is not False and not untied_lm_head
+    # MT5 (transformers 5.x) never rescales; T5 does unless told otherwise.
+    scale = hf.get("scale_decoder_outputs", model_type == "t5" and tie_flag is not False)
+    return ModelConfig(
+        vocab_size=int(hf["vocab_size"]),
+        emb_dim=int(hf["d_model"]),
+        num_heads=int(hf["num_heads"]),
+        head_dim=int(hf["d_kv"]),
+        mlp_dim=int(hf["d_ff"]),
+        num_encoder_layers=num_layers,
+        num_decoder_layers=int(hf.get("num_decoder_layers") or num_layers),
+        mlp_activations=_ACTIVATIONS[proj],
+        logits_via_embedding=tied,
+        scale_logits=bool(scale),
+        dropout_rate=float(hf.get("dropout_rate", 0.1)),
+        layer_norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-6)),
+        relative_attention_num_buckets=int(hf.get("relative_attention_num_buckets", 32)),
+        relative_attention_max_distance=int(hf.get("relative_attention_max_distance", 128)),
+    )
+  except KeyError as e:
+    raise UserError(f"{source}: missing field {e.args[0]!r} needed for a T5 config") from None
+
+
+def hf_config_from(config: ModelConfig) -> dict:
+  """ModelConfig -> an HF config.json both transformers 4.x and 5.x read correctly."""
+  if not config.is_encoder_decoder:
+    raise UserError("HF export supports encoder-decoder models only "
+                    "(transformers has no decoder-only T5)")
+  proj = _FEED_FORWARD_PROJ.get(tuple(config.mlp_activations))
+  if proj is None:
+    raise UserError(f"mlp_activations {config.mlp_activations} have no HF feed_forward_proj")
+  return {
+      "architectures": ["T5ForConditionalGeneration"],
+      "model_type": "t5",
+      "vocab_size": config.vocab_size,
+      "d_model": config.emb_dim,
+      "d_kv": config.head_dim,
+      "d_ff": config.mlp_dim,
+      "num_heads": config.num_heads,
+      "num_layers": config.num_encoder_layers,
+      "num_decoder_layers": config.num_decoder_layers,
+      "feed_forward_proj": proj,
+      "dropout_rate": config.dropout_rate,
+      "layer_norm_epsilon": config.layer_norm_epsilon,
+      "relative_attention_num_buckets": config.relative_attention_num_buckets,
+      "relative_attention_max_distance": config.relative_attention_max_distance,
+      "initializer_factor": 1.0,
+      "is_encoder_decoder": True,
+      # 4.x reads tying and scaling from this flag; 5.x reads scaling from the next one
+      # and unties when the weights hold a distinct lm_head.weight.
+      "tie_word_embeddings": config.logits_via_embedding,
+      "scale_decoder_outputs": config.should_scale_logits,
+      "pad_token_id": 0,
+      "eos_token_id": 1,
+      "decoder_start_token_id": 0,
+      "use_cache": True,
+  }
+
+
+# ---------------------------------------------------------------------------------------
+# The name table. Each entry: (our path, HF key, transpose?). HF Linear weights are
+# [out, in]; our kernels are [in, out]; the relative bias is [buckets, heads] in HF.
+
+def _attention_entries(ours: tuple, hf: str) -> Iterator[tuple[tuple, str, bool]]:
+  for o, h in (("query", "q"), ("key", "k"), ("value", "v"), ("out", "o")):
+    yield ours + (o, "kernel"), f"{hf}.{h}.weight", True
+
+
+def _mlp_entries(config: ModelConfig, ours: tuple, hf: str) -> Iterator[tuple[tuple, str, bool]]:
+  names = ["wi"] if len(config.mlp_activations) == 1 else [
+      f"wi_{i}" for i in range(len(config.mlp_activations))]
+  for n in names + ["wo"]:
+    yield ours + ("mlp", n, "kernel"), f"{hf}.DenseReluDense.{n}.weight", True
+
+
+def name_table(config: ModelConfig) -> list[tuple[tuple, str, bool]]:
+  """All (our parameter path, HF weight name, transpose) pairs of an unscanned model."""
+  t: list[tuple[tuple, str, bool]] = [(("token_embedder", "embedding"), "shared.weight", False)]
+  t.append((("encoder", "relpos_bias", "rel_embedding"),
+            "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight", True))
+  for i in range(config.num_encoder_layers):
+    o, h = ("encoder", f"layers_{i}"), f"encoder.block.{i}"
+    t.append((o + ("pre_attention_layer_norm", "scale"), f"{h}.layer.0.layer_norm.weight", False))
+    t += _attention_entries(o + ("attention",), f"{h}.layer.0.SelfAttention")
+    t.append((o + ("pre_mlp_layer_norm", "scale"), f"{h}.layer.1.layer_norm.weight", False))
+    t += _mlp_entries(config, o, f"{h}.layer.1")
+  t.append((("encoder", "encoder_norm", "scale"), "encoder.final_layer_norm.weight", False))
+  t.append((("decoder", "relpos_bias", "rel_embedding"),
+            "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight", True))
+  for i in range(config.num_decoder_layers):
+    o, h = ("decoder", f"layers_{i}"), f"decoder.block.{i}"
+    t.append((o + ("pre_self_attention_layer_norm", "scale"), f"{h}.layer.0.layer_norm.weight",
+              False))
+    t += _attention_entries(o + ("self_attention",), f"{h}.layer.0.SelfAttention")
+    t.append((o + ("pre_cross_attention_layer_norm", "scale"), f"{h}.layer.1.layer_norm.weight",
+              False))
+    t += _attention_entries(o + ("encoder_decoder_attention",), f"{h}.layer.1.EncDecAttention")
+    t.append((o + ("pre_mlp_layer_norm", "scale"), f"{h}.layer.2.layer_norm.weight", False))
+    t += _mlp_entries(config, o, f"{h}.layer.2")
+  t.append((("decoder", "decoder_norm", "scale"), "decoder.final_layer_norm.weight", False))
+  if not config.logits_via_embedding:
+    t.append((("decoder", "logits_dense", "kernel"), "lm_head.weight", True))
+  return t
+
+
+# Present in some files but duplicates of shared.weight.
+_REDUNDANT = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
+
+
+# ---------------------------------------------------------------------------------------
+# Weight files.
+
+def _weight_files(model_dir: str) -> tuple[list[str], Callable[[str], dict[str, np.ndarray]]]:
+  for index, loader in ((SAFETENSORS_INDEX, _load_safetensors), (TORCH_INDEX, _load_torch)):
+    path = os.path.join(model_dir, index)
+    if os.path.isfile(path):
+      with open(path, encoding="utf-8") as f:
+        weight_map = json.load(f).get("weight_map", {})
+      files = sorted(set(weight_map.values()))
+      missing = [f for f in files if not os.path.isfile(os.path.join(model_dir, f))]
+      if missing:
+        raise UserError(f"{path} lists shard(s) {missing} that are not in {model_dir}")
+      return [os.path.join(model_dir, f) for f in files], loader
+  for single, loader in ((SAFETENSORS, _load_safetensors), (TORCH_BIN, _load_torch)):
+    path = os.path.join(model_dir, single)
+    if os.path.isfile(path):
+      return [path], loader
+  raise UserError(f"{model_dir}: no weights found; expected {SAFETENSORS}, {SAFETENSORS_INDEX}, "
+                  f"{TORCH_BIN} or {TORCH_INDEX} next to config.json")
+
+
+def _load_safetensors(path: str) -> dict[str, np.ndarray]:
+  from safetensors import safe_open  # pylint: disable=import-outside-toplevel
+  try:
+    with safe_open(path, framework="numpy") as f:
+      return {k: f.get_tensor(k) for k in f.keys()}
+  except Exception as e:  # safetensors raises its own SafetensorError
+    raise UserError(f"{path}: cannot read safetensors file ({e})") from None
+
+
+def _load_torch(path: str) -> dict[str, np.ndarray]:
+  from t5forge.convert.torch_pickle import load_torch_state_dict  # pylint: disable=import-outside-toplevel
+  return load_torch_state_dict(path)
+
+
+def load_hf_state(model_dir: str) -> dict[str, np.ndarray]:
+  """All weights of an HF directory as {name: numpy array} (dtypes as stored)."""
+  files, loader = _weight_files(model_dir)
+  state: dict[str, np.ndarray] = {}
+  for path in files:
+    state.update(loader(path))
+  return state
+
+
+def _set(tree: dict, path: tuple, value) -> None:
+  for k in path[:-1]:
+    tree = tree.setdefault(k, {})
+  tree[path[-1]] = value
+
+
+def _get(tree: dict, path: tuple):
+  for k in path:
+    tree = tree[k]
+  return tree
+
+
+def state_to_params(state: dict[str, np.ndarray], config: ModelConfig, *,
+                    source: str) -> dict:
+  """HF state dict -> our parameter tree (float32), checking every name and shape."""
+  from t5forge.nn import abstract_params  # pylint: disable=import-outside-toplevel
+  expected = unstack_layers(abstract_params(config.replace(scan_layers=False)))
+  params: dict = {}
+  used = set()
+  for path, key, transpose in name_table(config):
+    if key not in state:
+      raise UserError(f"{source}: weight {key!r} is missing (needed for {'/'.join(path)}); "
+                      "is this a T5 checkpoint of the architecture config.json describes?")
+    value = np.asarray(state[key])
+    value = value.T if transpose else value
+    want = tuple(_get(expected, path).shape)
+    if value.shape != want:
+      raise UserError(f"{source}: weight {key!r} has shape {tuple(state[key].shape)}, but "
+                      f"config.json implies {want if not transpose else want[::-1]} "
+                      f"for {'/'.join(path)}; config and weights disagree")
+    _set(params, path, value.astype(np.float32))
+    used.add(key)
+  leftover = sorted(set(state) - used - set(_REDUNDANT) - {"lm_head.weight"})
+  if leftover:
+    raise UserError(f"{source}: {len(leftover)} weight(s) have no place in a T5 model, e.g. "
+                    f"{leftover[0]!r}; UMT5 and other variants are not supported")
+  return stack_layers(params) if config.scan_layers else params
+
+
+def _distinct_lm_head(state: dict[str, np.ndarray]) -> bool:
+  if "lm_head.weight" not in state:
+    return False
+  shared = state.get("shared.weight")
+  return shared is None or shared.shape != state["lm_head.weight"].shape or not np.array_equal(
+      shared, state["lm_head.weight"])
+
+
+def load_hf(model_dir: str) -> tuple[ModelConfig, dict]:
+  """Reads an HF T5 directory -> (ModelConfig, float32 parameter tree)."""
+  if not os.path.isdir(model_dir):
+    raise UserError(f"{model_dir}: no such directory")
+  hf = read_hf_config(model_dir)
+  state = load_hf_state(model_dir)
+  config = config_from_hf(hf, untied_lm_head=_distinct_lm_head(state),
+                          source=os.path.join(model_dir, CONFIG_FILE))
+  return config, state_to_params(state, config, source=model_dir)
+
+
+def params_to_state(params: dict, config: ModelConfig) -> dict[str, np.ndarray]:
+  """Our parameter tree -> HF state dict (float32, contiguous)."""
+  if config.scan_layers:
+    params = unstack_layers(params)
+  state = {}
+  for path, key, transpose in name_table(config):
+    value = np.asarray(_get(params, path), dtype=np.float32)
+    state[key] = np.ascontiguousarray(value.T if transpose else value)
+  return state
+
+
+def save_hf(params: dict, config: ModelConfig, out_dir: str, *,
+            tokenizer_dir: str | None = None) -> None:
+  """Writes config.json + model.safetensors (+ tokenizer files found in tokenizer_dir).
+
+  The directory appears complete or not at all: everything is written to a temporary
+  sibling that is renamed into place.
+  """
+  from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
+  hf_config = hf_config_from(config)
+  state = params_to_state(params, config)
+  out_dir = os.path.abspath(out_dir)
+  if os.path.exists(out_dir) and os.listdir(out_dir):
+    raise UserError(f"{out_dir}: exists and is not empty; choose a new output directory")
+  tmp = out_dir + ".tmp-t5forge"
+  shutil.rmtree(tmp, ignore_errors=True)
+  os.makedirs(tmp)
+  with open(os.path.join(tmp, CONFIG_FILE), "w", encoding="utf-8") as f:
+    json.dump(hf_config, f, indent=2, sort_keys=True)
+  with open(os.path.join(tmp, "generation_config.json"), "w", encoding="utf-8") as f:
+    json.dump({"decoder_start_token_id": 0, "eos_token_id": 1, "pad_token_id": 0}, f, indent=2)
+  save_file(state, os.path.join(tmp, SAFETENSORS), metadata={"format": "pt"})
+  if tokenizer_dir:
+    for name in TOKENIZER_FILES:
+      src = os.path.join(tokenizer_dir, name)
+      if os.path.isfile(src):
+        shutil.copy(src, os.path.join(tmp, name))
+  if os.path.exists(out_dir):
+    os.rmdir(out_dir)
+  os.rename(tmp, out_dir)

@@ -1,0 +1,132 @@
+"""Building blocks of T5: RMS norm, embedding, dense projections, the MLP block.
+
+Every parameter is float32 and created with logical axis names (see `t5forge.sharding`)
+through `nn.with_logical_partitioning`, so a rules table alone decides its sharding.
+Computation happens in the activation `dtype` (float32 or bfloat16).
+
+Shape letters used in comments: b batch, l length, d emb_dim, f mlp_dim, v vocab.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from t5forge import sharding as ax
+
+Initializer = Callable[..., jax.Array]
+
+# T5X's initialisers (t5x/examples/t5/layers.py): fan-in scaled kernels, unit-normal
+# embeddings. They matter only when training from scratch.
+default_kernel_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
+default_embed_init = nn.initializers.normal(stddev=1.0)
+
+
+def param_with_axes(module: nn.Module, name: str, init: Initializer, shape: tuple[int, ...],
+                    axes: tuple[str, ...]) -> jax.Array:
+  """Creates a float32 parameter annotated with logical axis names."""
+  assert len(axes) == len(shape), (name, shape, axes)
+  return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
+
+
+def activation(name: str) -> Callable[[jax.Array], jax.Array]:
+  """Maps T5X / HF activation names to functions.
+
+  'gelu' is the tanh approximation: it is what T5X's flax `nn.gelu` computes and what
+  HF calls `gelu_new` (used by gated-gelu T5.1.1 / Flan-T5 / mT5 / ByT5).
+  """
+  return {
+      "relu": jax.nn.relu,
+      "gelu": lambda x: jax.nn.gelu(x, approximate=True),
+      "gelu_exact": lambda x: jax.nn.gelu(x, approximate=False),
+      "silu": jax.nn.silu,
+      "linear": lambda x: x,
+  }[name]
+
+
+class RMSNorm(nn.Module):
+  """T5's layer norm: scale only, no mean subtraction, no bias.
+
+  The variance is accumulated in float32 whatever the activation dtype.
+  """
+
+  epsilon: float = 1e-6
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    # x: [..., d]
+    scale = param_with_axes(self, "scale", nn.initializers.ones, (x.shape[-1],), (ax.EMBED,))
+    x32 = x.astype(jnp.float32)
+    var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+    y = (x32 * jax.lax.rsqrt(var + self.epsilon)).astype(self.dtype)
+    return y * scale.astype(self.dtype)
+
+
+class Embed(nn.Module):
+  """Token embedding [vocab, embed]; `attend` reuses it as the tied output layer."""
+
+  num_embeddings: int
+  features: int
+  dtype: Any = jnp.float32
+  embedding_init: Initializer = default_embed_init
+
+  def setup(self):
+    self.embedding = param_with_axes(self, "embedding", self.embedding_init,
+                                     (self.num_embeddings, self.features), (ax.VOCAB, ax.EMBED))
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    # tokens: [b, l] int -> [b, l, d]
+    return jnp.take(self.embedding, tokens.astype(jnp.int32), axis=0).astype(self.dtype)
+
+  def attend(self, x: jax.Array) -> jax.Array:
+    # x: [b, l, d] -> logits [b, l, v], in float32 for a stable softmax.
+    return jnp.einsum("bld,vd->blv", x.astype(jnp.float32), self.embedding)
+
+
+class Dense(nn.Module):
+  """A bias-free projection with a 2-D kernel [in, out], as T5X stores its kernels.
+
+  Attention projections keep the 2-D `[embed, joined_kv]` layout of T5X and HF
+  checkpoints; callers reshape the output to heads.
+  """
+
+  features: int
+  kernel_axes: tuple[str, str]
+  dtype: Any = jnp.float32
+  kernel_init: Initializer = default_kernel_init
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    # x: [..., in] -> [..., out]
+    kernel = param_with_axes(self, "kernel", self.kernel_init, (x.shape[-1], self.features),
+                             self.kernel_axes)
+    return jnp.dot(x.astype(self.dtype), kernel.astype(self.dtype))
+
+
+class MlpBlock(nn.Module):
+  """T5's feed-forward block: wi (or gated wi_0 * wi_1) -> activation -> dropout -> wo."""
+
+  intermediate_dim: int
+  activations: Sequence[str] = ("relu",)
+  intermediate_dropout_rate: float = 0.1
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array, deterministic: bool) -> jax.Array:
+    # x: [b, l, d]
+    branches = []
+    for i, act in enumerate(self.activations):
+      name = "wi" if len(self.activations) == 1 else f"wi_{i}"
+      h = Dense(self.intermediate_dim, (ax.EMBED, ax.MLP), dtype=self.dtype, name=name)(x)
+      branches.append(activation(act)(h))  # [b, l, f]
+    h = branches[0]
+    for other in branches[1:]:
+      h = h * other
+    h = nn.with_logical_constraint(h, (ax.BATCH, ax.LENGTH, ax.ACT_MLP))
+    # T5X broadcasts the MLP dropout mask over the length axis.
+    h = nn.Dropout(rate=self.intermediate_dropout_rate, broadcast_dims=(-2,))(
+        h, deterministic=deterministic)
+    return Dense(x.shape[-1], (ax.MLP, ax.EMBED), dtype=self.dtype, name="wo")(h)  # [b, l, d]
