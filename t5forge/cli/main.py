@@ -43,4 +43,8 @@ def main(argv: list[str] | None = None) -> None:
   except KeyboardInterrupt:
     print("t5forge: interrupted", file=sys.stderr)
     sys.exit(130)
+  except BrokenPipeError:
+    # `t5forge ... | head` closed our stdout: not an error worth a traceback.
+    sys.stderr.close()
+    sys.exit(0)
   sys.exit(code or 0)

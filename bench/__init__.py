@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m bench.<name>` from the repo root; results go to bench/results/."""

@@ -1,0 +1,46 @@
+"""The data layer: vocabularies, sources, preprocessors, tasks, converters, Grain pipeline.
+
+Importing this package registers the bundled tasks (`bundled_tasks`). The
+SeqIO-shaped names are re-exported here, so `from t5forge import data as seqio`
+keeps a ported `tasks.py` close to the original.
+
+Training batches:  `get_batches(name, task_feature_lengths, batch_size, ...)`
+Evaluation:        `get_eval_dataset(task, task_feature_lengths, batch_size, ...)`
+Task examples:     `get_dataset(name, split, task_feature_lengths, ...)`
+"""
+from t5forge.data import preprocessors
+from t5forge.data.converters import (EncDecFeatureConverter, FeatureConverter, LMFeatureConverter,
+                                     PrefixLMFeatureConverter, get_converter)
+from t5forge.data.preprocessors import CacheDatasetPlaceholder, map_over_dataset
+from t5forge.data.sources import (ArrayRecordDataSource, DataSource, FunctionDataSource,
+                                  InMemoryDataSource, JsonlDataSource, TextLineDataSource,
+                                  TsvDataSource)
+from t5forge.data.tasks import (Feature, Mixture, MixtureRegistry, ShardInfo, Task, TaskRegistry,
+                                get_dataset, get_mixture_or_task, get_vocabulary,
+                                mixing_rate_num_examples)
+from t5forge.data.vocab import (ByteVocabulary, PassThroughVocabulary, SentencePieceVocabulary,
+                                Vocabulary)
+from t5forge.data import bundled_tasks  # registers the bundled tasks
+
+# The pipeline imports Grain (~1 s); load it on first use so that e.g.
+# `t5forge vocab` stays fast.
+_PIPELINE_NAMES = ("get_batches", "get_eval_dataset", "get_eval_datasets", "DataIterator",
+                   "EvalDataset")
+
+
+def __getattr__(name):
+  if name in _PIPELINE_NAMES:
+    from t5forge.data import pipeline
+    return getattr(pipeline, name)
+  raise AttributeError(f"module 't5forge.data' has no attribute {name!r}")
+
+
+__all__ = [
+    "ArrayRecordDataSource", "ByteVocabulary", "CacheDatasetPlaceholder", "DataSource",
+    "EncDecFeatureConverter", "Feature", "FeatureConverter", "FunctionDataSource",
+    "InMemoryDataSource", "JsonlDataSource", "LMFeatureConverter", "Mixture", "MixtureRegistry",
+    "PassThroughVocabulary", "PrefixLMFeatureConverter", "SentencePieceVocabulary", "ShardInfo",
+    "Task", "TaskRegistry", "TextLineDataSource", "TsvDataSource", "Vocabulary", "bundled_tasks",
+    "get_converter", "get_dataset", "get_mixture_or_task", "get_vocabulary", "map_over_dataset",
+    "mixing_rate_num_examples", "preprocessors", *_PIPELINE_NAMES,
+]

@@ -1,0 +1,324 @@
+"""Files: patterns, the user cache dir, atomic writes, and random access to lines.
+
+A text file is never loaded whole. One pass builds a byte-offset index of its
+lines (validating UTF-8 and counting the tabs of each line on the way); the index
+is cached next to the file, or under the cache dir when that directory is not
+writable, and rebuilt when the file's size or mtime changes. Reading line i is
+then one `os.pread`. Gzipped files are decompressed once into the cache dir
+(gzip cannot seek) and indexed there.
+
+The cache dir is `$T5FORGE_CACHE` (default `~/.cache/t5forge`).
+"""
+from __future__ import annotations
+
+import glob
+import gzip
+import hashlib
+import os
+import tempfile
+import threading
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from t5forge.errors import UserError
+
+_CHUNK = 16 << 20  # bytes read per step while indexing: bounds the memory used
+
+
+def cache_root() -> str:
+  """The user cache dir: `$T5FORGE_CACHE`, default `~/.cache/t5forge`."""
+  return os.path.expanduser(os.environ.get("T5FORGE_CACHE") or "~/.cache/t5forge")
+
+
+def _publish(tmp: str, path: str) -> None:
+  # mkstemp makes 0600 files; cache files may be shared by a team, so make them
+  # readable like any other file before the atomic rename.
+  os.chmod(tmp, 0o644)
+  os.replace(tmp, path)
+
+
+def make_temp(path: str) -> tuple[int, str]:
+  """A temp file beside `path` (created with its directory); UserError if not writable."""
+  directory = os.path.dirname(path) or "."
+  try:
+    os.makedirs(directory, exist_ok=True)
+    return tempfile.mkstemp(dir=directory, prefix=".tmp-")
+  except OSError as e:
+    raise UserError(f"cannot write in {directory} ({e.strerror}); cache files go under "
+                    f"{cache_root()}: set T5FORGE_CACHE to a writable directory") from None
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+  """Writes `data` to `path` through a temp file and a rename (no torn files)."""
+  fd, tmp = make_temp(path)
+  try:
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
+    _publish(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+    raise
+
+
+def expand_patterns(patterns: str | Sequence[str]) -> list[str]:
+  """Expands file names and glob patterns, in order; each must match something.
+
+  Raises:
+    UserError: a named file does not exist, or a pattern matched nothing.
+  """
+  if isinstance(patterns, (str, os.PathLike)):
+    patterns = [patterns]
+  files = []
+  for pattern in patterns:
+    pattern = os.path.expanduser(os.fspath(pattern))
+    if glob.has_magic(pattern):
+      matched = sorted(p for p in glob.glob(pattern) if os.path.isfile(p))
+      if not matched:
+        raise UserError(f"file pattern {pattern!r} matched no files; check the path")
+      files.extend(matched)
+    elif os.path.isfile(pattern):
+      files.append(pattern)
+    else:
+      raise UserError(f"file not found: {pattern}")
+  return files
+
+
+def _open_binary(path: str):
+  return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+
+
+def iter_lines(path: str) -> Iterator[tuple[int, str]]:
+  """Streams `(line_number, text)` of a (gzipped) UTF-8 file, newline stripped."""
+  with _open_binary(path) as f:
+    for lineno, raw in enumerate(f, start=1):
+      try:
+        yield lineno, raw.decode("utf-8").rstrip("\r\n")
+      except UnicodeDecodeError as e:
+        raise UserError(f"{path}:{lineno}: invalid UTF-8 ({e.reason} at byte {e.start}); "
+                        "re-encode the file as UTF-8") from None
+
+
+# -------------------------------------------------------------------------------------- line index
+
+
+def stamp(path: str) -> tuple[int, int]:
+  """(size, mtime_ns): changes when a file is rewritten."""
+  st = os.stat(path)
+  return st.st_size, st.st_mtime_ns
+
+
+def _key(path: str) -> str:
+  size, mtime = stamp(path)
+  return hashlib.sha1(f"{os.path.abspath(path)}|{size}|{mtime}".encode()).hexdigest()[:20]
+
+
+def _plain_copy(path: str) -> str:
+  """Returns a seekable uncompressed file for `path` (decompressing .gz once)."""
+  if not path.endswith(".gz"):
+    return path
+  out = os.path.join(cache_root(), "lines", f"{_key(path)}-{os.path.basename(path)[:-3]}")
+  if not os.path.exists(out):
+    fd, tmp = make_temp(out)
+    try:
+      with os.fdopen(fd, "wb") as dst, gzip.open(path, "rb") as src:
+        while block := src.read(_CHUNK):
+          dst.write(block)
+      _publish(tmp, out)
+    except (OSError, EOFError) as e:
+      if os.path.exists(tmp):
+        os.unlink(tmp)
+      raise UserError(f"{path}: cannot decompress ({e}); is it a complete gzip file?") from None
+  return out
+
+
+def _index_paths(plain: str, origin: str) -> list[str]:
+  """Where an index may live: next to the file first, then in the cache dir."""
+  name = f".{os.path.basename(plain)}.t5forge-lines.npy"
+  beside = os.path.join(os.path.dirname(os.path.abspath(plain)), name)
+  cached = os.path.join(cache_root(), "lines", f"{_key(plain)}.idx.npy")
+  if plain != origin:  # a decompressed copy already lives in the cache dir
+    return [beside]
+  return [beside, cached]
+
+
+def _build_index(plain: str, origin: str) -> np.ndarray:
+  """One pass over the file: line offsets and tab counts, validating UTF-8.
+
+  Returns:
+    int64 [num_lines + 2, 2]: row 0 is (size, mtime_ns) of the file; row 1 + i is
+    (byte offset of line i, number of tabs in line i); the last row is (size, 0).
+  """
+  size, mtime = stamp(plain)
+  offsets, tabs = [np.zeros(1, np.int64)], []
+  pos, line_base, carry = 0, 0, b""
+  with open(plain, "rb") as f:
+    while True:
+      chunk = f.read(_CHUNK)
+      data = carry + chunk
+      if not chunk:
+        block, carry = data, b""
+      else:
+        cut = data.rfind(b"\n") + 1
+        block, carry = data[:cut], data[cut:]
+      if block:
+        try:
+          block.decode("utf-8")
+        except UnicodeDecodeError as e:
+          line = line_base + block.count(b"\n", 0, e.start) + 1
+          raise UserError(f"{origin}:{line}: invalid UTF-8 ({e.reason}); "
+                          "re-encode the file as UTF-8") from None
+        arr = np.frombuffer(block, np.uint8)
+        ends = np.flatnonzero(arr == 10) + 1  # exclusive end of each line
+        if not chunk and (not ends.size or ends[-1] != len(block)):
+          ends = np.append(ends, len(block))  # last line without a newline
+        tab_cum = np.concatenate([[0], np.cumsum(arr == 9)])
+        starts = np.concatenate([[0], ends[:-1]])
+        tabs.append((tab_cum[ends] - tab_cum[starts]).astype(np.int64))
+        offsets.append(pos + ends.astype(np.int64))
+        pos += len(block)
+        line_base += len(ends)
+      if not chunk:
+        break
+  off = np.concatenate(offsets)
+  tab = np.concatenate(tabs + [np.zeros(1, np.int64)])
+  index = np.empty((len(off) + 1, 2), np.int64)
+  index[0] = (size, mtime)
+  index[1:, 0] = off
+  index[1:, 1] = tab
+  return index
+
+
+def load_line_index(path: str) -> tuple[str, np.ndarray]:
+  """Returns (seekable file, index rows [num_lines + 1, 2]) for `path`.
+
+  The index (see `_build_index`) is loaded memory-mapped when cached and valid.
+  """
+  plain = _plain_copy(path)
+  current = stamp(plain)
+  candidates = _index_paths(plain, path)
+  for cand in candidates:
+    if os.path.exists(cand):
+      try:
+        index = np.load(cand, mmap_mode="r")
+        if index.ndim == 2 and tuple(index[0]) == current:
+          return plain, index[1:]
+      except (OSError, ValueError):
+        pass  # a corrupt or foreign file: rebuild below
+  index = _build_index(plain, path)
+  for cand in candidates:
+    try:
+      os.makedirs(os.path.dirname(cand), exist_ok=True)
+      fd, tmp = tempfile.mkstemp(dir=os.path.dirname(cand), prefix=".tmp-", suffix=".npy")
+      with os.fdopen(fd, "wb") as f:
+        np.save(f, index)
+      _publish(tmp, cand)
+      break
+    except OSError:
+      continue  # read-only directory: fall back to the cache dir
+  return plain, index[1:]
+
+
+class LineFiles:
+  """Random access to the non-empty lines of several files, in file order.
+
+  Args:
+    files: the files (plain or .gz).
+    skip_header_lines: non-empty lines to drop at the start of every file.
+  """
+
+  def __init__(self, files: Sequence[str], skip_header_lines: int = 0):
+    self._files = list(files)
+    self._skip = skip_header_lines
+    self._plain: list[str] = []
+    self._rows: list[np.ndarray | None] = []  # selected line numbers, None = all
+    self._index: list[np.ndarray] = []
+    counts = []
+    for path in self._files:
+      plain, index = load_line_index(path)
+      lengths = np.diff(index[:, 0])
+      # A line's length includes its newline: empty lines are not examples.
+      nonempty = lengths > 1
+      if lengths.size:
+        last_has_nl = _ends_with_newline(plain, int(index[-1, 0]))
+        nonempty[-1] = lengths[-1] > (1 if last_has_nl else 0)
+      rows = None
+      if not nonempty.all() or skip_header_lines:
+        rows = np.flatnonzero(nonempty)[skip_header_lines:]
+      self._plain.append(plain)
+      self._index.append(index)
+      self._rows.append(rows)
+      counts.append(len(nonempty) if rows is None else len(rows))
+    self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    self._fds: dict[int, int] = {}
+    self._pid = os.getpid()
+    self._lock = threading.Lock()
+
+  @property
+  def files(self) -> list[str]:
+    return self._files
+
+  @property
+  def skip(self) -> int:
+    return self._skip
+
+  def __len__(self) -> int:
+    return int(self._starts[-1])
+
+  def locate(self, i: int) -> tuple[int, int]:
+    """Global example index -> (file number, line number within the file)."""
+    f = int(np.searchsorted(self._starts, i, side="right")) - 1
+    j = i - int(self._starts[f])
+    rows = self._rows[f]
+    return f, (int(rows[j]) if rows is not None else j)
+
+  def tabs(self, f: int) -> np.ndarray:
+    """Tab counts of the selected lines of file `f`."""
+    t = self._index[f][:-1, 1]
+    return t if self._rows[f] is None else t[self._rows[f]]
+
+  def selected_line_numbers(self, f: int) -> np.ndarray:
+    n = len(self._index[f]) - 1
+    return np.arange(n) if self._rows[f] is None else self._rows[f]
+
+  def _fd(self, f: int) -> int:
+    if os.getpid() != self._pid:  # after a fork, never share file offsets/handles
+      self._fds, self._pid = {}, os.getpid()
+    fd = self._fds.get(f)
+    if fd is None:
+      with self._lock:
+        fd = self._fds.get(f)
+        if fd is None:
+          fd = self._fds[f] = os.open(self._plain[f], os.O_RDONLY)
+    return fd
+
+  def read(self, i: int) -> tuple[str, str, int]:
+    """Returns (line text, origin file, 1-based line number) of example `i`."""
+    if not 0 <= i < len(self):
+      raise IndexError(f"index {i} out of range for {len(self)} lines")
+    f, line = self.locate(i)
+    start, end = self._index[f][line, 0], self._index[f][line + 1, 0]
+    raw = os.pread(self._fd(f), int(end - start), int(start))
+    return raw.decode("utf-8").rstrip("\r\n"), self._files[f], line + 1
+
+  def __getstate__(self):
+    return {"files": self._files, "skip": self._skip}
+
+  def __setstate__(self, state):
+    self.__init__(state["files"], state["skip"])
+
+  def __del__(self):
+    for fd in getattr(self, "_fds", {}).values():
+      try:
+        os.close(fd)
+      except OSError:
+        pass
+
+
+def _ends_with_newline(plain: str, size: int) -> bool:
+  if size == 0:
+    return False
+  with open(plain, "rb") as f:
+    f.seek(size - 1)
+    return f.read(1) == b"\n"
