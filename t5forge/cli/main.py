@@ -12,6 +12,7 @@ from t5forge.errors import UserError
 
 # command name -> (module, one-line help)
 COMMANDS = {
+    "train": ("t5forge.cli.train", "train with T5X-style gin files (--gin_file, --gin.NAME=VALUE)"),
     "convert": ("t5forge.cli.convert", "convert checkpoints between HF, T5X and t5forge formats"),
     "vocab": ("t5forge.cli.vocab", "train or inspect SentencePiece vocabularies"),
 }
@@ -38,7 +39,8 @@ def main(argv: list[str] | None = None) -> None:
   try:
     code = module.main(rest)
   except UserError as e:
-    print(f"t5forge: error: {e}", file=sys.stderr)
+    # gin appends "In call to configurable ..." lines; the first line is the message.
+    print(f"t5forge: error: {str(e).splitlines()[0]}", file=sys.stderr)
     sys.exit(2)
   except KeyboardInterrupt:
     print("t5forge: interrupted", file=sys.stderr)

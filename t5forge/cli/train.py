@@ -1,0 +1,48 @@
+"""`t5forge train --gin_file=... --gin.MODEL_DIR=\\"...\\" [--gin_search_paths=...]`.
+
+T5X's train.py interface: gin files (a run gin such as runs/finetune.gin plus a model
+gin such as models/t5_1_1/small.gin, or an example gin), macro bindings with
+--gin.NAME=VALUE, and the T5X flags for several processes (see `cli/multihost.py`).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from t5forge.cli import gin_flags
+from t5forge.errors import UserError
+
+USAGE = __doc__
+
+
+def main(argv: list[str]) -> int:
+  if any(a in ("-h", "--help") for a in argv):
+    print(USAGE)
+    return 0
+  files, bindings, paths, rest = gin_flags.split_flags(argv)
+  if rest:
+    raise UserError(f"unknown flag(s) {rest}; train takes --gin_file, --gin.NAME=VALUE, "
+                    "--gin_bindings and --gin_search_paths")
+  gin_flags.parse(files, bindings, paths)
+  import gin  # pylint: disable=import-outside-toplevel
+  from t5forge.train import loop  # pylint: disable=import-outside-toplevel
+  result = gin_flags.call(loop.train, operative_config=gin.config_str(),
+                          show_progress=sys.stderr.isatty() or bool(os.environ.get("T5FORGE_PROGRESS")))
+  model_dir = gin.query_parameter("MODEL_DIR/macro.value") if _has_macro("MODEL_DIR") else None
+  print(f"training stopped at step {result.step} ({result.stopped})")
+  if result.train_metrics:
+    print(f"  train loss {result.train_metrics.get('loss', float('nan')):.4g}, "
+          f"accuracy {result.train_metrics.get('accuracy', float('nan')):.3f}")
+  if model_dir:
+    print(f"  checkpoints, config.gin, model-info.txt, metrics.jsonl: {model_dir}")
+    print(f"  TensorBoard: tensorboard --logdir {model_dir}")
+  return 0
+
+
+def _has_macro(name: str) -> bool:
+  import gin  # pylint: disable=import-outside-toplevel
+  try:
+    gin.query_parameter(f"{name}/macro.value")
+    return True
+  except (ValueError, KeyError):
+    return False

@@ -1,0 +1,177 @@
+"""Models: a network plus what training and evaluation need from it.
+
+`EncoderDecoderModel` and `DecoderOnlyModel` share one contract (T5X's `BaseModel`):
+
+- `loss_fn(params, batch, dropout_rng) -> (loss, metric sums)`
+- `score_batch(params, batch) -> log-likelihood [b]`
+- `init_params(rng)`, `abstract_params()`, `logical_axes()`
+
+A batch is a dict of SeqIO model features (`encoder_input_tokens`,
+`decoder_input_tokens`, `decoder_target_tokens`, `decoder_loss_weights`, segment ids and
+positions when packed, `decoder_causal_attention` for prefix-LM), each [b, length].
+Metric sums are scalars that add up across microbatches and steps; `train.metrics`
+turns them into T5X's reported values.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from t5forge import losses
+from t5forge import nn as t5nn
+from t5forge.nn.config import ModelConfig
+
+ENC_DEC_FEATURES = ("encoder_input_tokens", "decoder_input_tokens", "decoder_target_tokens",
+                    "encoder_segment_ids", "decoder_segment_ids", "encoder_positions",
+                    "decoder_positions")
+DEC_ONLY_FEATURES = ("decoder_input_tokens", "decoder_target_tokens", "decoder_segment_ids",
+                     "decoder_positions", "decoder_causal_attention")
+
+
+class BaseModel:
+  """Network + loss settings (+ optional vocabulary used for decoding text).
+
+  Args:
+    config: the network's ModelConfig.
+    z_loss: coefficient of the log-normaliser penalty (T5X default 1e-4).
+    label_smoothing: label smoothing mass.
+    loss_normalizing_factor: None, a number, or a LossNormalizingFactor (or its name).
+    vocabulary: optional; when None the task's vocabulary is used.
+    optimizer: optional optimizer spec (T5X keeps `optimizer_def` on the model; the
+      trainer uses it unless given another).
+  """
+
+  FEATURES: tuple[str, ...] = ()
+
+  def __init__(self, config: ModelConfig, *, z_loss: float = 1e-4, label_smoothing: float = 0.0,
+               loss_normalizing_factor=None, vocabulary: Any = None, optimizer: Any = None):
+    self.config = config
+    self.network = t5nn.build(config)
+    self.z_loss = float(z_loss)
+    self.label_smoothing = float(label_smoothing)
+    self.loss_normalizing_factor = losses.parse_loss_normalizing_factor(loss_normalizing_factor)
+    self.vocabulary = vocabulary
+    self.optimizer = optimizer
+
+  # -- parameters ---------------------------------------------------------------------
+  def init_params(self, rng: jax.Array) -> dict:
+    return t5nn.init_params(self.config, rng)
+
+  def abstract_params(self) -> dict:
+    return t5nn.abstract_params(self.config)
+
+  def logical_axes(self) -> dict:
+    return t5nn.logical_axes(self.config)
+
+  # -- forward ------------------------------------------------------------------------
+  def logits(self, params: dict, batch: dict, dropout_rng: jax.Array | None = None) -> jax.Array:
+    """Teacher-forced float32 logits [b, t, v]; dropout on iff dropout_rng is given."""
+    features = {k: batch[k] for k in self.FEATURES if batch.get(k) is not None}
+    if dropout_rng is None:
+      return self.network.apply({"params": params}, **features, enable_dropout=False)
+    return self.network.apply({"params": params}, **features, enable_dropout=True,
+                              rngs={"dropout": dropout_rng})
+
+  def loss_fn(self, params: dict, batch: dict, dropout_rng: jax.Array | None, *,
+              normalization: tuple | None = None) -> tuple[jax.Array, dict]:
+    """T5X's loss with metric sums.
+
+    Args:
+      normalization: (factor, weights) precomputed over a whole batch, so that
+        microbatches of it reproduce the full-batch loss; None computes them here.
+
+    Returns:
+      (scalar loss, dict of scalar metric sums).
+    """
+    logits = self.logits(params, batch, dropout_rng)
+    targets = batch["decoder_target_tokens"]
+    if normalization is None:
+      normalization = losses.normalizing_factor_and_weights(self.loss_normalizing_factor, batch)
+    factor, weights = normalization
+    if weights is None:
+      weights = batch.get("decoder_loss_weights")
+    loss, z_loss, weight_sum = losses.compute_weighted_cross_entropy(
+        logits, targets, weights, label_smoothing=self.label_smoothing, z_loss=self.z_loss,
+        loss_normalizing_factor=factor)
+    return loss, self._metric_sums(batch, logits, weights, loss, z_loss, weight_sum)
+
+  def score_batch(self, params: dict, batch: dict) -> jax.Array:
+    """Sum of target-token log-likelihoods per example [b] (weights: loss weights, or
+    targets > 0)."""
+    logits = self.logits(params, batch).astype(jnp.float32)
+    targets = batch["decoder_target_tokens"]
+    weights = batch.get("decoder_loss_weights")
+    if weights is None:
+      weights = targets > 0
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    token_ll = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+    return jnp.sum(token_ll * weights, axis=-1)
+
+  # -- metrics ------------------------------------------------------------------------
+  def _metric_sums(self, batch, logits, weights, loss, z_loss, weight_sum) -> dict:
+    targets = batch["decoder_target_tokens"]
+    w = jnp.ones(targets.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
+    correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+    sums = {
+        "loss": loss,
+        "z_loss": z_loss,
+        "cross_ent_loss": loss - z_loss,
+        "accuracy_correct": jnp.sum(correct * w),
+        "accuracy_count": jnp.sum(w),
+        "weight_sum": weight_sum,
+        "num_target_tokens": jnp.asarray(targets.size, jnp.float32),
+        "num_examples": jnp.asarray(targets.shape[0], jnp.float32),
+        "decoder_nonpadding": jnp.sum(targets > 0).astype(jnp.float32),
+        "loss_weights_nonzero": jnp.sum(w > 0).astype(jnp.float32),
+        "decoder_segments": _count_segments(batch.get("decoder_segment_ids"), targets),
+    }
+    if "encoder_input_tokens" in batch:
+      enc = batch["encoder_input_tokens"]
+      sums["encoder_nonpadding"] = jnp.sum(enc > 0).astype(jnp.float32)
+      sums["num_encoder_tokens"] = jnp.asarray(enc.size, jnp.float32)
+      sums["encoder_segments"] = _count_segments(batch.get("encoder_segment_ids"), enc)
+    return sums
+
+
+def _count_segments(segment_ids: jax.Array | None, tokens: jax.Array) -> jax.Array:
+  """Number of (packed) examples in a batch: distinct non-zero segment ids per row."""
+  if segment_ids is None:
+    return jnp.sum(jnp.any(tokens > 0, axis=-1)).astype(jnp.float32)
+  # Segment ids count up from 1 within a row, so the row maximum is the count.
+  return jnp.sum(jnp.max(segment_ids, axis=-1)).astype(jnp.float32)
+
+
+class EncoderDecoderModel(BaseModel):
+  FEATURES = ENC_DEC_FEATURES
+
+  def feature_converter_kind(self, task_has_inputs: bool) -> str:
+    del task_has_inputs
+    return "encoder_decoder"
+
+
+class DecoderOnlyModel(BaseModel):
+  """A decoder-only LM. Tasks with inputs become prefix-LM rows (inputs + targets, loss on
+  the targets); `inputs_bidirectional_attention` lets the inputs attend both ways (T5X's
+  option of the same name; off by default as in T5X)."""
+
+  FEATURES = DEC_ONLY_FEATURES
+
+  def __init__(self, config: ModelConfig, *, inputs_bidirectional_attention: bool = False,
+               **kwargs):
+    super().__init__(config, **kwargs)
+    self.inputs_bidirectional_attention = inputs_bidirectional_attention
+
+  def feature_converter_kind(self, task_has_inputs: bool) -> str:
+    return "prefix_lm" if task_has_inputs else "decoder_only"
+
+  def logits(self, params: dict, batch: dict, dropout_rng: jax.Array | None = None) -> jax.Array:
+    if not self.inputs_bidirectional_attention and "decoder_causal_attention" in batch:
+      batch = {k: v for k, v in batch.items() if k != "decoder_causal_attention"}
+    return super().logits(params, batch, dropout_rng)
+
+
+def model_for(config: ModelConfig, **kwargs) -> BaseModel:
+  cls = EncoderDecoderModel if config.is_encoder_decoder else DecoderOnlyModel
+  return cls(config, **kwargs)

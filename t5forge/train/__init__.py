@@ -1,0 +1,1 @@
+"""Training: state, optimizers, the jitted step, checkpoints, metrics and the loop."""

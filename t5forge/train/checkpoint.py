@@ -1,0 +1,205 @@
+"""Training checkpoints with Orbax, and the restore order of a run.
+
+A checkpoint is `MODEL_DIR/checkpoint_<step>/` with the items of `convert.native`
+(`params/`, `config/`) plus `opt_state/` and `data_iter/` (every process's data
+iterator state), written asynchronously and committed atomically (Orbax writes a
+temporary directory and renames it). Which checkpoints stay: the latest `keep`, plus the
+best `keep_best` by a metric when one is named.
+
+Restore order (`restore_or_init`): the latest complete checkpoint in MODEL_DIR (full
+state, data iterator), else INITIAL_CHECKPOINT_PATH (parameters and step from a t5forge,
+HF or T5X checkpoint, renamed or dropped by a regex assignment map, missing ones
+initialised fresh if allowed, cast to the model's dtype), else a fresh init.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers as policies
+
+from t5forge.convert import load_checkpoint, native
+from t5forge.errors import UserError
+from t5forge.train.settings import RestoreCheckpointConfig, SaveCheckpointConfig
+
+OPT_STATE = "opt_state"
+DATA_ITER = "data_iter"
+
+
+def _flatten(tree: Any) -> dict[str, Any]:
+  return {"/".join(str(getattr(k, "key", k)) for k in path): leaf
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _unflatten_like(template: Any, flat: dict[str, Any]) -> Any:
+  paths = ["/".join(str(getattr(k, "key", k)) for k in path)
+           for path, _ in jax.tree_util.tree_flatten_with_path(template)[0]]
+  return jax.tree.unflatten(jax.tree.structure(template), [flat[p] for p in paths])
+
+
+def remap_params(ckpt_params: Any, fresh_params: Any, config: RestoreCheckpointConfig, *,
+                 source: str) -> tuple[Any, list[str]]:
+  """Builds the model's parameters from a checkpoint's, by name, as RestoreConfig says.
+
+  Returns:
+    (parameters shaped like fresh_params, names taken from the fresh initialisation).
+  """
+  have = _flatten(ckpt_params)
+  fresh = _flatten(fresh_params)
+  rules = [(re.compile(p), r) for p, r in config.assignment_map]
+  out, from_scratch = {}, []
+  for name, init_value in fresh.items():
+    source_name = name
+    for pattern, replacement in rules:
+      if pattern.fullmatch(name):
+        source_name = None if replacement is None else pattern.sub(replacement, name)
+        break
+    if source_name is None:
+      out[name] = init_value
+      from_scratch.append(name)
+      continue
+    if source_name not in have:
+      if config.fallback_to_scratch:
+        out[name] = init_value
+        from_scratch.append(name)
+        continue
+      raise UserError(f"{source}: has no parameter {source_name!r} (needed for {name!r}); "
+                      "is it a checkpoint of another model? Set fallback_to_scratch or an "
+                      "assignment_map rule to initialise or rename it")
+    value = have[source_name]
+    if tuple(value.shape) != tuple(init_value.shape):
+      raise UserError(f"{source}: parameter {source_name!r} has shape {tuple(value.shape)} but "
+                      f"the model's {name!r} is {tuple(init_value.shape)}; it is a checkpoint "
+                      "of another model")
+    out[name] = jnp.asarray(value, dtype=init_value.dtype)  # dtype cast (e.g. bf16 -> f32)
+  return _unflatten_like(fresh_params, out), from_scratch
+
+
+class Checkpointer:
+  """Saves and restores train states in MODEL_DIR with an Orbax CheckpointManager."""
+
+  def __init__(self, model_dir: str, config: SaveCheckpointConfig):
+    self.model_dir = model_dir
+    self.config = config
+    keep = []
+    if config.keep is not None:
+      keep.append(policies.LatestN(n=config.keep))
+    if config.best_metric and config.keep_best:
+      metric, reverse = config.best_metric, config.best_mode == "max"
+      keep.append(policies.BestN(get_metric_fn=lambda m: m[metric], reverse=reverse,
+                                 n=config.keep_best, keep_checkpoints_without_metrics=False))
+    policy = policies.AnyPreservationPolicy(keep) if keep else None
+    options = ocp.CheckpointManagerOptions(
+        step_prefix=native.CHECKPOINT_PREFIX.rstrip("_"), create=True,
+        enable_async_checkpointing=config.async_save, preservation_policy=policy,
+        cleanup_tmp_directories=True)
+    self._mngr = ocp.CheckpointManager(
+        model_dir, options=options,
+        item_handlers={native.PARAMS: ocp.StandardCheckpointHandler(),
+                       OPT_STATE: ocp.StandardCheckpointHandler(),
+                       native.CONFIG: ocp.JsonCheckpointHandler(),
+                       DATA_ITER: ocp.JsonCheckpointHandler()})
+
+  def should_save(self, step: int, last_step: int) -> bool:
+    return bool(step == last_step or (self.config.period and step % self.config.period == 0)
+                or step in set(self.config.save_steps))
+
+  def latest_step(self) -> int | None:
+    steps = native.checkpoint_steps(self.model_dir)
+    return steps[-1] if steps else None
+
+  def save(self, step: int, state, *, config_item: dict, data_state: Any = None,
+           metrics: dict | None = None) -> None:
+    """Starts writing checkpoint_<step> (returns before it is on disk when async)."""
+    data_item = {"num_processes": jax.process_count(), "states": _gather_json(data_state)}
+    self._mngr.save(step, args=ocp.args.Composite(**{
+        native.PARAMS: ocp.args.StandardSave(state.params),
+        OPT_STATE: ocp.args.StandardSave(state.opt_state),
+        native.CONFIG: ocp.args.JsonSave(config_item),
+        DATA_ITER: ocp.args.JsonSave(data_item),
+    }), metrics=metrics, force=True)
+
+  def check_compatible(self, step: int, abstract_params: Any) -> None:
+    """Names the first parameter whose saved shape differs from the model's."""
+    meta = self._mngr.item_metadata(step)
+    saved = _flatten(getattr(meta[native.PARAMS], "tree", meta[native.PARAMS]))
+    want = _flatten(abstract_params)
+    path = f"{self.model_dir}/checkpoint_{step}"
+    for name, spec in want.items():
+      if name not in saved:
+        raise UserError(f"{path}: has no parameter {name!r}; it was written for another model "
+                        "(use a new MODEL_DIR, or the matching model gin)")
+      if tuple(saved[name].shape) != tuple(spec.shape):
+        raise UserError(f"{path}: parameter {name!r} has shape {tuple(saved[name].shape)} but "
+                        f"the model needs {tuple(spec.shape)}; it was written for another "
+                        "model (use a new MODEL_DIR, or the matching model gin)")
+
+  def restore(self, step: int, abstract_state) -> tuple[Any, Any, dict]:
+    """-> (params, opt_state, data item) of checkpoint_<step>, placed as abstract_state."""
+    self.check_compatible(step, abstract_state.params)
+    restored = self._mngr.restore(step, args=ocp.args.Composite(**{
+        native.PARAMS: ocp.args.StandardRestore(abstract_state.params),
+        OPT_STATE: ocp.args.StandardRestore(abstract_state.opt_state),
+        DATA_ITER: ocp.args.JsonRestore(),
+    }))
+    return restored[native.PARAMS], restored[OPT_STATE], restored[DATA_ITER]
+
+  def wait(self) -> None:
+    self._mngr.wait_until_finished()
+
+  def close(self) -> None:
+    self._mngr.wait_until_finished()
+    self._mngr.close()
+
+
+def _gather_json(obj: Any) -> list:
+  """Every process's JSON-able object, in process order (one collective per call)."""
+  if jax.process_count() == 1:
+    return [obj]
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  raw = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+  lengths = multihost_utils.process_allgather(np.array([raw.size], np.int32))
+  padded = np.zeros(int(lengths.max()), np.uint8)
+  padded[:raw.size] = raw
+  allbufs = multihost_utils.process_allgather(padded)
+  return [json.loads(bytes(allbufs[i][: int(lengths[i][0])]).decode())
+          for i in range(jax.process_count())]
+
+
+def data_state_for_this_process(data_item: dict | None) -> Any:
+  """The saved iterator state of this process, or None if it cannot be used."""
+  if not data_item or data_item.get("num_processes") != jax.process_count():
+    return None
+  states = data_item.get("states") or []
+  return states[jax.process_index()] if jax.process_index() < len(states) else None
+
+
+def initial_params(config: RestoreCheckpointConfig, fresh_params: Any, *,
+                   model_config) -> tuple[Any, int, list[str], list[str]]:
+  """Parameters to start training from INITIAL_CHECKPOINT_PATH.
+
+  Args:
+    fresh_params: a freshly initialised parameter tree of the model (its shapes and
+      dtypes are the target; its values fill what the checkpoint does not provide).
+
+  Returns:
+    (params, step to continue from, names initialised fresh, notes on config fields
+    that differ between the checkpoint and the model without changing shapes).
+  """
+  if config.dtype != "float32":
+    raise UserError(f"RestoreCheckpointConfig.dtype={config.dtype!r}: parameters are float32")
+  path = config.path
+  if config.mode == "latest":
+    path = native.latest_checkpoint(path) or path
+  ckpt = load_checkpoint(path, scan_layers=model_config.scan_layers)
+  params, scratch = remap_params(ckpt.params, fresh_params, config, source=ckpt.path)
+  semantic = ("mlp_activations", "logits_via_embedding", "should_scale_logits",
+              "relative_attention_max_distance", "layer_norm_epsilon")
+  notes = [f"{name}: checkpoint {getattr(ckpt.config, name)!r}, model {getattr(model_config, name)!r}"
+           for name in semantic if getattr(ckpt.config, name) != getattr(model_config, name)]
+  return params, (ckpt.step if config.restore_step else 0), scratch, notes

@@ -1,0 +1,384 @@
+"""The training run: setup in named stages, one loop, periodic hooks.
+
+`train(...)` takes T5X's arguments (`model`, `model_dir`, `train_dataset_cfg`,
+`total_steps`, `eval_period`, ...), so T5X run gins bind it unchanged except for paths.
+What it leaves in MODEL_DIR: `config.gin`, `model-info.txt`, `checkpoint_<step>/`,
+TensorBoard events under `train/` and `training_eval/<task>/`, and `metrics.jsonl`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import signal
+import time
+import zlib
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from t5forge.errors import UserError
+from t5forge.models import BaseModel
+from t5forge.sharding import Partitioner
+from t5forge.train import checkpoint as ckpt_lib
+from t5forge.train import hooks
+from t5forge.train import metrics as metrics_lib
+from t5forge.train import model_info, optim
+from t5forge.train.settings import (CheckpointConfig, DatasetConfig, EarlyStopping,
+                                    SaveCheckpointConfig, Trainer)
+from t5forge.train.state import TrainState
+from t5forge.train.step import check_microbatches, make_eval_step, make_train_step
+
+
+class TrainingDiverged(UserError):
+  """The loss became NaN or infinite."""
+
+
+@dataclasses.dataclass
+class TrainResult:
+  step: int
+  train_metrics: dict
+  eval_metrics: dict
+  stopped: str  # 'total_steps', 'early_stopping', 'preempted', 'nothing_to_do'
+
+
+def _prepare_model_dir(model_dir: str | None) -> str:
+  if not model_dir:
+    raise UserError("MODEL_DIR is not set; pass --gin.MODEL_DIR=\\\"/path/to/dir\\\"")
+  model_dir = os.path.abspath(os.path.expanduser(model_dir))
+  try:
+    os.makedirs(model_dir, exist_ok=True)
+    probe = os.path.join(model_dir, f".write-test-{os.getpid()}")
+    with open(probe, "w", encoding="utf-8") as f:
+      f.write("ok")
+    os.remove(probe)
+  except OSError as e:
+    raise UserError(f"MODEL_DIR {model_dir} is not writable ({e.strerror}); choose a directory "
+                    "you can write to") from None
+  return model_dir
+
+
+def _write_atomic(path: str, text: str) -> None:
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    f.write(text)
+  os.replace(tmp, path)
+
+
+class _Preemption:
+  """SIGTERM (a scheduler's preemption notice) -> save a checkpoint and stop cleanly."""
+
+  def __init__(self):
+    self.requested = False
+    self._old = None
+
+  def __enter__(self):
+    try:
+      self._old = signal.signal(signal.SIGTERM, self._handle)
+    except ValueError:  # not the main thread: leave signals alone
+      self._old = None
+    return self
+
+  def _handle(self, *_):
+    self.requested = True
+
+  def __exit__(self, *exc):
+    if self._old is not None:
+      signal.signal(signal.SIGTERM, self._old)
+
+
+def train(*, model: BaseModel, model_dir: str, train_dataset_cfg: DatasetConfig,
+          total_steps: int, optimizer: Any = None, trainer_cls: Callable[[], Trainer] = Trainer,
+          partitioner: Partitioner | None = None, checkpoint_cfg: CheckpointConfig | None = None,
+          train_eval_dataset_cfg: DatasetConfig | None = None,
+          infer_eval_dataset_cfg: DatasetConfig | None = None,
+          inference_evaluator_cls: Callable | None = None,
+          eval_period: int = 1000, eval_steps: int | None = 20, stats_period: int | None = 100,
+          random_seed: int | None = 0, early_stopping: EarlyStopping | None = None,
+          run_eval_before_training: bool = False, operative_config: str = "",
+          record_batch_fingerprints: bool = False, show_progress: bool = True) -> TrainResult:
+  """Trains `model` until step `total_steps` (counted from step 0, as T5X).
+
+  Args:
+    model: an EncoderDecoderModel or DecoderOnlyModel.
+    model_dir: where checkpoints, summaries and configs go; a rerun resumes from it.
+    train_dataset_cfg: the training data (batch_size is global).
+    total_steps: TRAIN_STEPS; includes the steps of a restored initial checkpoint.
+    optimizer: an optimizer spec with `build(lr_fn, param_axes)` (optim.Adafactor(),
+      optim.AdamW(), optim.Optax(...)); default the model's, else Adafactor.
+    trainer_cls: settings.Trainer: learning_rate_fn (default constant 1e-3) and
+      num_microbatches (gradient accumulation).
+    partitioner: mesh and rules; default all devices on the 'data' axis.
+    checkpoint_cfg: `save` (when to save, what to keep) and `restore` (what to start
+      from when MODEL_DIR has no checkpoint: INITIAL_CHECKPOINT_PATH).
+    train_eval_dataset_cfg: teacher-forced evaluation data, every eval_period steps.
+    infer_eval_dataset_cfg / inference_evaluator_cls: decoding evaluation every
+      eval_period steps: `inference_evaluator_cls(model=, dataset_cfg=, partitioner=,
+      model_dir=)` returns a callable `fn(params, step) -> scalars`.
+    eval_steps: batches per train-eval task (None or <= 0: all).
+    stats_period: report training metrics every this many steps.
+    random_seed: seeds parameter init, dropout (fold_in(seed, step)) and the data order.
+    early_stopping: stop on a metric that stopped improving.
+    run_eval_before_training: evaluate once before the first step.
+    operative_config: the gin config text, written to config.gin.
+    record_batch_fingerprints: write a CRC of every batch to batch_fingerprints.jsonl
+      (to check that a resumed run sees exactly the batches of an uninterrupted one).
+  """
+  seed = 0 if random_seed is None else int(random_seed)
+  run = _Run(model_dir=_prepare_model_dir(model_dir), model=model, seed=seed,
+             partitioner=partitioner or Partitioner(), total_steps=int(total_steps))
+  try:
+    run.setup_data(train_dataset_cfg)
+    settings = trainer_cls() if callable(trainer_cls) else trainer_cls
+    run.setup_state(optimizer or getattr(model, "optimizer", None) or optim.Adafactor(),
+                    settings, checkpoint_cfg or CheckpointConfig())
+    if run.start >= run.total_steps:
+      run.log(f"TRAIN_STEPS={run.total_steps} is not above the restored step {run.start}: "
+              "nothing to train. Raise TRAIN_STEPS to train further.")
+      return TrainResult(run.start, {}, {}, "nothing_to_do")
+    run.write_run_files(operative_config)
+    run.setup_hooks(train_eval_dataset_cfg, infer_eval_dataset_cfg, inference_evaluator_cls,
+                    eval_steps=eval_steps, record_batch_fingerprints=record_batch_fingerprints)
+    return _loop(run, eval_period=eval_period, stats_period=stats_period,
+                 stopper=hooks.EarlyStopper(early_stopping),
+                 run_eval_before_training=run_eval_before_training,
+                 show_progress=show_progress)
+  finally:
+    run.close()
+
+
+def _loop(run: "_Run", *, eval_period, stats_period, stopper, run_eval_before_training,
+          show_progress) -> TrainResult:
+  """The training loop: step, report, evaluate, checkpoint; nothing waits on the device
+  except reports (every stats_period) and the one-step-late finiteness check."""
+  step, total = run.start, run.total_steps
+  progress = metrics_lib.Progress(start=step, total=total, enabled=run.is_chief and show_progress)
+  window, window_start, hook_seconds = [], None, 0.0  # step time excludes hooks
+  last_train, last_eval, stopped, pending_ok = {}, {}, "total_steps", None
+  if run_eval_before_training:
+    last_eval = run.evaluate(step)
+  t_first = time.time()
+  with _Preemption() as preemption, run.partitioner.activation_context():
+    while step < total:
+      state, sums = run.train_step(run.state, run.next_batch(step))
+      run.state, step = state, step + 1
+      _check_finite(pending_ok, step - 1, run.checkpointer)  # the previous step is done
+      pending_ok = sums.pop("finite")
+      if window_start is None:  # the first step includes compilation
+        jax.block_until_ready(sums)
+        progress.write(f"first step (compile + run) took {time.time() - t_first:.1f} s")
+        window_start = time.time()
+      else:
+        window.append(sums)
+      if step % (stats_period or total) == 0 or step == total:
+        if window:
+          last_train = run.report(step, window, time.time() - window_start - hook_seconds)
+        window, window_start, hook_seconds = [], time.time(), 0.0
+      progress.update(1, **({"loss": last_train["loss"], "tok/s": round(
+          last_train["timing/target_tokens_per_second"])} if last_train else {}))
+      hook_start = time.time()
+      eval_now = bool(eval_period) and step % eval_period == 0
+      if eval_now:
+        _check_finite(pending_ok, step, run.checkpointer)
+        last_eval = run.evaluate(step)
+        stopped = "early_stopping" if stopper.update(last_eval) else stopped
+      stopped = "preempted" if preemption.requested else stopped
+      if run.checkpointer.should_save(step, total) or stopped != "total_steps":
+        _check_finite(pending_ok, step, run.checkpointer)
+        run.save(step, metrics=last_eval if eval_now else None)
+      hook_seconds += time.time() - hook_start
+      if stopped != "total_steps":
+        progress.write(f"stopping at step {step}: {stopped}")
+        break
+  _check_finite(pending_ok, step, run.checkpointer)
+  progress.close()
+  return TrainResult(step, last_train, last_eval, stopped)
+
+
+class _Run:
+  """The resources of one training run, set up in stages and closed together."""
+
+  def __init__(self, *, model_dir: str, model: BaseModel, seed: int, partitioner: Partitioner,
+               total_steps: int):
+    self.model_dir, self.model, self.seed = model_dir, model, seed
+    self.partitioner, self.total_steps = partitioner, total_steps
+    self.is_chief = jax.process_index() == 0
+    self.log = print if self.is_chief else (lambda *a, **k: None)
+    self.train_iter = self.checkpointer = self.fingerprints = None
+    self.writer = metrics_lib.MetricWriter(model_dir, enabled=self.is_chief)
+    self.train_eval = self.inference_evaluator = None
+
+  # -- stage 1: data ----------------------------------------------------------------------
+  def setup_data(self, cfg: DatasetConfig) -> None:
+    from t5forge import data  # pylint: disable=import-outside-toplevel
+    if cfg.module:
+      importlib.import_module(cfg.module)
+    self.global_batch = int(cfg.batch_size)
+    self.partitioner.check_batch_size(self.global_batch)
+    task = data.get_mixture_or_task(cfg.mixture_or_task_name)
+    first_task = task.tasks[0] if hasattr(task, "tasks") else task
+    self.model_kind = self.model.feature_converter_kind("inputs" in first_task.output_features)
+    self.shard_index, self.num_shards = self.partitioner.host_batch_slice(self.global_batch)
+    self.train_iter = data.get_batches(
+        cfg.mixture_or_task_name, cfg.task_feature_lengths, self.global_batch // self.num_shards,
+        split=cfg.split, model_kind=self.model_kind, pack=cfg.pack, shuffle=cfg.shuffle,
+        seed=self.seed if cfg.seed is None else int(cfg.seed), shard_index=self.shard_index,
+        num_shards=self.num_shards, num_workers=cfg.num_workers)
+
+  def next_batch(self, step: int) -> dict:
+    batch = next(self.train_iter)
+    if self.fingerprints:
+      self.fingerprints.write(json.dumps({"step": step, "crc": _crc(batch)}) + "\n")
+      self.fingerprints.flush()  # survives a SIGKILL
+    return self.partitioner.shard_batch(batch)
+
+  # -- stage 2: optimizer, shardings, state -------------------------------------------------
+  def setup_state(self, optimizer, settings: Trainer, checkpoint_cfg: CheckpointConfig) -> None:
+    model, part = self.model, self.partitioner
+    check_microbatches(self.global_batch // part.num_data_shards, settings.num_microbatches)
+    lr_fn = settings.learning_rate_fn or (lambda step: jnp.asarray(1e-3, jnp.float32))
+    self.param_axes = model.logical_axes()
+    self.abstract_params = model.abstract_params()
+    tx = optimizer.build(lr_fn, self.param_axes)
+    self.abstract_opt = jax.eval_shape(tx.init, self.abstract_params)
+    self.opt_axes = optimizer.state_axes(self.abstract_opt, self.abstract_params, self.param_axes)
+    self.shardings = TrainState(
+        step=part.replicated(), params=part.tree_shardings(self.param_axes, prefix="params"),
+        opt_state=part.tree_shardings(self.opt_axes, prefix="opt_state"))
+    self.checkpointer = ckpt_lib.Checkpointer(self.model_dir,
+                                              checkpoint_cfg.save or SaveCheckpointConfig())
+    # Outside the activation context: initialisation places parameters by out_shardings.
+    self.state = _restore_or_init(
+        model=model, tx=tx, seed=self.seed, checkpointer=self.checkpointer,
+        restore_cfg=checkpoint_cfg.restore, train_iter=self.train_iter,
+        abstract=(self.abstract_params, self.abstract_opt), shardings=self.shardings, log=self.log)
+    self.start = int(self.state.step)
+    with part.activation_context():
+      self.train_step = jax.jit(
+          make_train_step(model, tx, learning_rate_fn=lr_fn,
+                          num_microbatches=settings.num_microbatches, seed=self.seed),
+          in_shardings=(self.shardings, None), out_shardings=(self.shardings, None),
+          donate_argnums=(0,))
+      self.eval_step = jax.jit(make_eval_step(model))
+
+  def write_run_files(self, operative_config: str) -> None:
+    if not self.is_chief:
+      return
+    if operative_config:
+      _write_atomic(os.path.join(self.model_dir, "config.gin"), operative_config)
+    model_info.write(self.model_dir, model_info.render(
+        self.abstract_params, self.param_axes, self.shardings.params, self.abstract_opt,
+        self.opt_axes, self.shardings.opt_state, self.partitioner.mesh.shape))
+
+  # -- stage 3: hooks ---------------------------------------------------------------------
+  def setup_hooks(self, train_eval_cfg, infer_eval_cfg, inference_evaluator_cls, *, eval_steps,
+                  record_batch_fingerprints) -> None:
+    if train_eval_cfg is not None:
+      self.train_eval = hooks.TrainEvaluator(
+          train_eval_cfg, model=self.model, eval_step=self.eval_step,
+          shard_batch=self.partitioner.shard_batch, eval_steps=eval_steps,
+          shard_index=self.shard_index, num_shards=self.num_shards, model_kind=self.model_kind)
+    if infer_eval_cfg is not None and inference_evaluator_cls is not None:
+      self.inference_evaluator = inference_evaluator_cls(
+          model=self.model, dataset_cfg=infer_eval_cfg, partitioner=self.partitioner,
+          model_dir=self.model_dir)
+    if record_batch_fingerprints:
+      self.fingerprints = open(os.path.join(
+          self.model_dir, f"batch_fingerprints.{jax.process_index()}.jsonl"), "a",
+          encoding="utf-8")
+
+  # -- periodic work ------------------------------------------------------------------------
+  def report(self, step: int, window: list, seconds: float) -> dict[str, float]:
+    host = jax.device_get(window)
+    total = {k: sum(float(s[k]) for s in host) for k in host[0]}
+    scalars = metrics_lib.summarize(total, seconds=seconds)
+    self.writer.write_scalars(step, scalars, subdir="train")
+    return scalars
+
+  def evaluate(self, step: int) -> dict[str, float]:
+    scalars = {}
+    with self.partitioner.activation_context():
+      if self.train_eval is not None:
+        for task_name, values in self.train_eval(self.state.params).items():
+          self.writer.write_scalars(step, values, subdir=f"training_eval/{task_name}")
+          scalars.update({f"training_eval/{task_name}/{k}": v for k, v in values.items()})
+      if self.inference_evaluator is not None:
+        scalars.update(self.inference_evaluator(self.state.params, step))
+    return scalars
+
+  def save(self, step: int, *, metrics: dict | None) -> None:
+    self.checkpointer.save(step, self.state, config_item=_config_item(self.model),
+                           data_state=self.train_iter.get_state(), metrics=metrics)
+
+  def close(self) -> None:
+    for resource in (self.checkpointer, self.writer, self.train_iter, self.fingerprints):
+      if resource is not None:
+        resource.close()
+
+
+def _crc(batch: dict) -> int:
+  crc = 0
+  for k in sorted(batch):
+    crc = zlib.crc32(np.ascontiguousarray(batch[k]).tobytes(), crc)
+  return crc
+
+
+def _check_finite(flag, step: int, checkpointer: ckpt_lib.Checkpointer) -> None:
+  if flag is None or bool(flag):
+    return
+  checkpointer.wait()
+  last = checkpointer.latest_step()
+  where = f"checkpoint_{last} is the last good checkpoint" if last is not None else (
+      "no checkpoint was written")
+  raise TrainingDiverged(f"the loss or gradients became NaN/Inf at step {step}; {where}. "
+                         "Lower the learning rate, enable z-loss, or check the data")
+
+
+def _config_item(model: BaseModel) -> dict:
+  vocab = model.vocabulary
+  return {"model": model.config.to_dict(),
+          "vocabulary": getattr(vocab, "spec", None) if vocab is not None else None}
+
+
+def _restore_or_init(*, model, tx, seed, checkpointer, restore_cfg, train_iter, abstract,
+                     shardings, log) -> TrainState:
+  """The restore order: MODEL_DIR's latest checkpoint, INITIAL_CHECKPOINT_PATH, scratch."""
+  abstract_params, abstract_opt = abstract
+  latest = checkpointer.latest_step()
+  if latest is not None:
+    target = TrainState(
+        step=jax.ShapeDtypeStruct((), jnp.int32, sharding=shardings.step),
+        params=jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            abstract_params, shardings.params),
+        opt_state=jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                               abstract_opt, shardings.opt_state))
+    params, opt_state, data_item = checkpointer.restore(latest, target)
+    data_state = ckpt_lib.data_state_for_this_process(data_item)
+    if data_state is not None:
+      train_iter.set_state(data_state)
+    else:
+      log("note: the data iterator state was saved with another number of processes; "
+          "the data order restarts")
+    log(f"resumed from {checkpointer.model_dir}/checkpoint_{latest}")
+    return TrainState(step=jax.device_put(jnp.asarray(latest, jnp.int32), shardings.step),
+                      params=params, opt_state=opt_state)
+  init_params = jax.jit(model.init_params, out_shardings=shardings.params)
+  params = init_params(jax.random.key(seed))
+  step = 0
+  if restore_cfg is not None and restore_cfg.path:
+    params, step, scratch, notes = ckpt_lib.initial_params(restore_cfg, params,
+                                                           model_config=model.config)
+    params = jax.device_put(params, shardings.params)
+    log(f"initialised from {restore_cfg.path} (step {step}"
+        + (f"; {len(scratch)} parameter(s) from scratch: {', '.join(scratch[:3])}" if scratch else "")
+        + ")")
+    for note in notes:
+      log(f"note: checkpoint and model config differ in {note}")
+  opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)
+  if step:
+    opt_state = jax.device_put(optim.set_step(opt_state, step), shardings.opt_state)
+  return TrainState(step=jax.device_put(jnp.asarray(step, jnp.int32), shardings.step),
+                    params=params, opt_state=opt_state)

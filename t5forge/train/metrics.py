@@ -1,0 +1,137 @@
+"""What a run reports: T5X's scalar names, TensorBoard events (tensorboardX), a
+`metrics.jsonl` with the same scalars, and a progress bar.
+
+Steps return *sums* (see `models.BaseModel.loss_fn`); they are added up on the host
+between reports (fetched once per report, not per step) and turned into T5X's values:
+averages per step, per token, rates per second.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def add_sums(total: dict | None, sums: dict) -> dict:
+  """Adds two dicts of (device or host) scalars; None + x = x."""
+  if total is None:
+    return dict(sums)
+  return {k: total.get(k, 0.0) + v for k, v in sums.items()}
+
+
+def summarize(sums: dict, *, seconds: float | None = None) -> dict[str, float]:
+  """Metric sums over some steps -> T5X's scalars.
+
+  Args:
+    sums: host floats keyed as `BaseModel._metric_sums` plus `steps` (and
+      `learning_rate`, summed over steps).
+    seconds: wall time the steps took; adds timing/* rates when given.
+  """
+  s = {k: float(v) for k, v in sums.items()}
+  steps = max(s.get("steps", 1.0), 1.0)
+  out = {
+      "loss": s["loss"] / steps,
+      "z_loss": s["z_loss"] / steps,
+      "cross_ent_loss": s["cross_ent_loss"] / steps,
+      "accuracy": s["accuracy_correct"] / max(s["accuracy_count"], 1e-9),
+      "loss_per_nonpadding_target_token": s["loss"] / max(s["weight_sum"], 1e-9),
+      "loss_per_all_target_tokens": s["loss"] / max(s["num_target_tokens"], 1e-9),
+      "nonpadding_fraction": s["weight_sum"] / max(s["num_target_tokens"], 1e-9),
+      "non_padding_fraction/decoder": s["decoder_nonpadding"] / max(s["num_target_tokens"], 1e-9),
+      "non_padding_fraction/loss_weights": s["loss_weights_nonzero"] / max(s["num_target_tokens"], 1e-9),
+      "effective_batch_size/decoder": s["decoder_segments"] / steps,
+  }
+  if "encoder_nonpadding" in s:
+    out["non_padding_fraction/encoder"] = s["encoder_nonpadding"] / max(s["num_encoder_tokens"], 1e-9)
+    out["effective_batch_size/encoder"] = s["encoder_segments"] / steps
+  if "learning_rate" in s:
+    out["learning_rate"] = s["learning_rate"] / steps
+  if seconds:
+    cores = jax.device_count()
+    out["timing/seconds"] = seconds
+    out["timing/steps_per_second"] = steps / seconds
+    out["timing/seqs"] = s["num_examples"]
+    out["timing/seqs_per_second"] = s["num_examples"] / seconds
+    out["timing/seqs_per_second_per_core"] = s["num_examples"] / seconds / cores
+    out["timing/target_tokens_per_second"] = s["num_target_tokens"] / seconds
+    out["timing/target_tokens_per_second_per_core"] = s["num_target_tokens"] / seconds / cores
+  return out
+
+
+class MetricWriter:
+  """TensorBoard events under MODEL_DIR/<subdir>/ and one JSONL line per write.
+
+  Only the writing process (process 0) creates files; others accept and drop writes.
+  """
+
+  def __init__(self, model_dir: str, *, enabled: bool = True):
+    self.model_dir = model_dir
+    self.enabled = enabled
+    self._writers: dict[str, Any] = {}
+    self._jsonl = None  # opened on the first write: a run that fails early leaves no file
+
+  def _writer(self, subdir: str):
+    if subdir not in self._writers:
+      from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+      self._writers[subdir] = SummaryWriter(os.path.join(self.model_dir, subdir))
+    return self._writers[subdir]
+
+  def write_scalars(self, step: int, scalars: dict[str, float], *, subdir: str = "train") -> None:
+    if not self.enabled:
+      return
+    writer = self._writer(subdir)
+    if self._jsonl is None:
+      self._jsonl = open(os.path.join(self.model_dir, "metrics.jsonl"), "a", encoding="utf-8")
+    clean = {}
+    for name, value in scalars.items():
+      value = float(value)
+      writer.add_scalar(name, value, step)
+      clean[name] = value if np.isfinite(value) else str(value)
+    writer.flush()
+    self._jsonl.write(json.dumps({"step": int(step), "split": subdir, **clean}) + "\n")
+    self._jsonl.flush()
+
+  def write_text(self, step: int, tag: str, text: str, *, subdir: str = "train") -> None:
+    if self.enabled:
+      self._writer(subdir).add_text(tag, text, step)
+
+  def close(self) -> None:
+    for w in self._writers.values():
+      w.close()
+    self._writers = {}
+    if self._jsonl:
+      self._jsonl.close()
+      self._jsonl = None
+
+
+class Progress:
+  """A terminal progress bar: step, loss, tokens/s and ETA (tqdm), on process 0."""
+
+  def __init__(self, *, start: int, total: int, enabled: bool = True):
+    self._bar = None
+    if enabled:
+      from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+      self._bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True,
+                       desc="train", smoothing=0.1)
+    self._last = time.time()
+
+  def update(self, n: int = 1, **postfix) -> None:
+    if self._bar is not None:
+      if postfix:
+        self._bar.set_postfix({k: (f"{v:.4g}" if isinstance(v, float) else v)
+                               for k, v in postfix.items()}, refresh=False)
+      self._bar.update(n)
+
+  def write(self, msg: str) -> None:
+    if self._bar is not None:
+      self._bar.write(msg)
+    else:
+      print(msg, flush=True)
+
+  def close(self) -> None:
+    if self._bar is not None:
+      self._bar.close()

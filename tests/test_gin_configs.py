@@ -1,0 +1,92 @@
+"""Every shipped gin file parses and builds its model; model gins equal the presets;
+the fine-tuning gin of T5X's guide (../shared/seeds) runs with only paths changed."""
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+
+from t5forge import presets
+from t5forge.cli import gin_flags
+from train_helpers import ROOT
+
+CONFIGS = os.path.join(ROOT, "t5forge", "configs")
+MODEL_GINS = sorted(glob.glob(os.path.join(CONFIGS, "models", "*", "*.gin")))
+EXAMPLE_GINS = sorted(glob.glob(os.path.join(CONFIGS, "examples", "*.gin")))
+RUN_GINS = sorted(glob.glob(os.path.join(CONFIGS, "runs", "*.gin")))
+REQUIRED = ['MODEL_DIR="/tmp/unused"', "MIXTURE_OR_TASK_NAME='bible_translate_en_es'",
+            "TASK_FEATURE_LENGTHS={'inputs': 8, 'targets': 8}", "TRAIN_STEPS=1",
+            "INITIAL_CHECKPOINT_PATH='/tmp/unused'", "DROPOUT_RATE=0.0"]
+
+
+def _model_from_gin():
+  import gin  # pylint: disable=import-outside-toplevel
+  return gin.query_parameter("MODEL/macro.value").scoped_configurable_fn()
+
+
+def test_model_gins_are_generated_from_the_presets():
+  sys.path.insert(0, os.path.join(ROOT, "tools"))
+  import make_model_gins  # pylint: disable=import-outside-toplevel
+  assert len(MODEL_GINS) == len(presets.names())
+  for name in presets.names():
+    family, size = name.split(".")
+    with open(os.path.join(CONFIGS, "models", family, f"{size}.gin")) as f:
+      assert f.read() == make_model_gins.render(name), f"{name}: rerun tools/make_model_gins.py"
+
+
+@pytest.mark.parametrize("path", MODEL_GINS, ids=lambda p: os.path.relpath(p, CONFIGS))
+def test_model_gin_parses_and_matches_its_preset(path):
+  run = os.path.join(CONFIGS, "runs", "pretrain.gin")
+  gin_flags.parse([run, path], REQUIRED)
+  model = _model_from_gin()
+  family, size = os.path.relpath(path, os.path.join(CONFIGS, "models"))[:-4].split("/")
+  want = presets.get(f"{family}.{size}").replace(dropout_rate=0.0)
+  assert model.config == want
+
+
+@pytest.mark.parametrize("path", RUN_GINS + EXAMPLE_GINS, ids=lambda p: os.path.relpath(p, CONFIGS))
+def test_run_and_example_gins_parse(path):
+  files = [path] if "examples" in path else [path, os.path.join(CONFIGS, "models", "t5_1_1",
+                                                                  "tiny.gin")]
+  gin_flags.parse(files, ['MODEL_DIR="/tmp/unused"', "INITIAL_CHECKPOINT_PATH='/tmp/unused'"]
+                  + ([] if "examples" in path else REQUIRED[1:]))
+  import gin  # pylint: disable=import-outside-toplevel
+  from t5forge.train import loop  # pylint: disable=import-outside-toplevel
+  assert gin.query_parameter("train_script.train.model_dir") is not None
+  assert _model_from_gin().config.vocab_size > 0
+  del loop
+
+
+def test_the_guides_finetune_gin_runs_with_paths_changed(tmp_path):
+  """T5X's fine-tuning guide: include the finetune run gin and the T5.1.1 small model gin,
+  set the macros. Changed: the include paths, the task module, the task (bundled), the
+  checkpoint (an HF directory of flan-t5-small's shape with random weights), and, for the
+  test's speed, lengths, steps and batch size."""
+  from hf_reference import VARIANTS, build_hf_dir  # pylint: disable=import-outside-toplevel
+  VARIANTS["flan_small"] = ("t5", dict(feed_forward_proj="gated-gelu", d_model=512, d_kv=64,
+                                       num_heads=6, d_ff=1024, num_layers=8,
+                                       num_decoder_layers=8, vocab_size=32128), "4.x")
+  ckpt = build_hf_dir("flan_small", str(tmp_path / "flan-t5-small"))
+  gin = tmp_path / "small_bible_finetune.gin"
+  gin.write_text(f"""
+include 't5forge/configs/runs/finetune.gin'
+include 't5forge/configs/models/t5_1_1/small.gin'
+
+# Register necessary SeqIO Tasks/Mixtures.
+import t5forge.data
+
+MIXTURE_OR_TASK_NAME = "bible_translate_en_es"
+TASK_FEATURE_LENGTHS = {{"inputs": 32, "targets": 32}}
+TRAIN_STEPS = 2  # 0 pre-trained steps (an HF checkpoint records none) + 2 fine-tuning steps.
+DROPOUT_RATE = 0.0
+INITIAL_CHECKPOINT_PATH = "{ckpt}"
+LOSS_NORMALIZING_FACTOR = 233472
+""")
+  model_dir = tmp_path / "finetune-model"
+  r = subprocess.run([sys.executable, "-m", "t5forge", "train", f"--gin_file={gin}",
+                      f'--gin.MODEL_DIR="{model_dir}"', "--gin.BATCH_SIZE=2", "--alsologtostderr"],
+                     capture_output=True, text=True, cwd=ROOT, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert (model_dir / "checkpoint_2").is_dir()
+  assert "LOSS_NORMALIZING_FACTOR = 233472" in (model_dir / "config.gin").read_text()
