@@ -1,7 +1,11 @@
 """The Python API: `t5forge.load(path)` and the model object it returns.
 
     m = t5forge.load("path/to/flan-t5-base")      # HF dir, T5X checkpoint, or ours
+    m.generate(["translate English to German: Hello"], method="beam", num_decodes=4)
+    tokens, scores = m.predict(encoder_input_tokens, max_decode_length=64)
+    m.score(["question ..."], ["answer ..."])      # summed log-likelihoods
     logits = m.logits(encoder_input_tokens, decoder_input_tokens)   # numpy [b, t, v]
+    m.train_step([{"inputs": "...", "targets": "..."}])           # fine-tune a step
     m.save("out/")                                 # t5forge checkpoint
     m.save_hf("out-hf/")                           # loads in transformers
 
@@ -10,18 +14,26 @@ the decoder input starts with 0 as BOS and attends causally.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from t5forge import models
 from t5forge import nn as t5nn
 from t5forge import presets
 from t5forge.convert import LoadedCheckpoint, hf, load_checkpoint, native
 from t5forge.errors import UserError
 from t5forge.nn.config import ModelConfig
+from t5forge.predict import DecodeOptions, Predictor
+
+# Text batches are padded to a multiple of this many tokens, so that a handful of
+# compiled shapes serve any input.
+_LENGTH_BUCKET = 32
 
 
 def _as_tokens(x: Any, name: str, vocab_size: int) -> np.ndarray:
@@ -42,16 +54,21 @@ class Model:
   Attributes:
     config: the ModelConfig.
     params: parameter tree of jax arrays (float32).
+    vocabulary: the text vocabulary (from the checkpoint), or None.
     source: where the parameters came from (path and format), for display.
   """
 
   def __init__(self, config: ModelConfig, params: dict, *, source: str = "",
-               checkpoint: LoadedCheckpoint | None = None):
+               checkpoint: LoadedCheckpoint | None = None, vocabulary=None):
     self.config = config
     self.params = jax.tree.map(jnp.asarray, params)
     self.source = source
     self.checkpoint = checkpoint
     self.network = t5nn.build(config)
+    self.vocabulary = vocabulary
+    self.model = models.model_for(config, vocabulary=vocabulary)
+    self.predictor = Predictor(self.model)
+    self._train = None  # (jitted step, state), made on the first train_step
 
   def __repr__(self) -> str:
     c = self.config
@@ -105,9 +122,164 @@ class Model:
     enc = _as_tokens(encoder_input_tokens, "encoder_input_tokens", self.config.vocab_size)
     return np.asarray(self._encode_fn(self.params, enc), dtype=np.float32)
 
+  # -- decoding, scoring, text -----------------------------------------------------------
+  def predict(self, tokens, max_decode_length: int = 64, **decoding) -> tuple[np.ndarray, np.ndarray]:
+    """Decodes from integer arrays (for checks against other implementations).
+
+    Encoder-decoder: tokens are encoder_input_tokens [b, i] (0 = padding). Decoder-only:
+    tokens are decoder prompts [b, t]: 0 as BOS, then the prompt, then 0 padding.
+
+    Args:
+      max_decode_length: new tokens to decode.
+      **decoding: DecodeOptions fields: method ('greedy', 'sample', 'beam'),
+        num_decodes (or beam_size), temperature, topk, topp, alpha, max_decode_steps,
+        seed, return_all_decodes.
+
+    Returns:
+      (tokens [b, max_decode_length] int32, 0 after EOS, scores [b]) as numpy; with
+      return_all_decodes, [b, n, l] and [b, n] sorted by score (best last).
+    """
+    opts = DecodeOptions.from_kwargs(**decoding)
+    arr = _as_tokens(tokens, "tokens", self.config.vocab_size)
+    if self.config.is_encoder_decoder:
+      batch = {"encoder_input_tokens": arr,
+               "decoder_input_tokens": np.zeros((arr.shape[0], max_decode_length), np.int32)}
+    else:
+      batch = {"decoder_input_tokens": arr}
+    return self.predictor.predict(self.params, batch, opts, max_decode_length=max_decode_length)
+
+  def _vocab(self):
+    if self.vocabulary is None:
+      raise UserError("this model has no vocabulary (none was saved with the checkpoint); "
+                      "pass one: t5forge.load(path, vocabulary=t5forge.data."
+                      "SentencePieceVocabulary('spiece.model', extra_ids=100))")
+    return self.vocabulary
+
+  def _encode_texts(self, texts, max_length: int | None) -> tuple[np.ndarray, int]:
+    """Texts (or token lists) -> [b, bucketed length] with EOS; returns #truncated."""
+    eos = self.vocabulary.eos_id if self.vocabulary is not None else 1  # T5's EOS
+    rows, truncated = [], 0
+    for t in texts:
+      ids = list(t) if not isinstance(t, str) else self._vocab().encode(t)
+      ids = ids + [eos]
+      if max_length and len(ids) > max_length:
+        ids, truncated = ids[:max_length - 1] + [eos], truncated + 1
+      rows.append(ids)
+    width = -(-max(len(r) for r in rows) // _LENGTH_BUCKET) * _LENGTH_BUCKET
+    arr = np.zeros((len(rows), width), np.int32)
+    for i, r in enumerate(rows):
+      arr[i, :len(r)] = r
+    return arr, truncated
+
+  def generate(self, texts, *, max_decode_length: int = 64, batch_size: int = 32,
+               max_input_length: int | None = 512, **decoding) -> list:
+    """Strings in, strings out (batched internally).
+
+    Encoder-decoder: each text is an input. Decoder-only: each text is a prompt that is
+    continued. Decoding stops at EOS or after max_decode_length tokens. Inputs longer
+    than max_input_length tokens are truncated (a warning says how many).
+
+    Returns:
+      one string per text; with return_all_decodes, a list of strings per text (best
+      last).
+    """
+    if isinstance(texts, str):
+      raise UserError("generate() takes a list of strings; wrap a single text in a list")
+    vocab, out, cut = self._vocab(), [], 0
+    opts = DecodeOptions.from_kwargs(**decoding)
+    for start in range(0, len(texts), batch_size):
+      chunk = list(texts[start:start + batch_size])
+      arr, n = self._encode_texts(chunk, max_input_length)
+      if not self.config.is_encoder_decoder:
+        arr = np.where(arr == vocab.eos_id, 0, arr)  # a prompt continues: no EOS
+        arr = np.pad(arr, ((0, 0), (1, 0)))  # BOS
+      cut += n
+      tokens, _ = self.predict(arr, max_decode_length, **dataclasses.asdict(opts))
+      if tokens.ndim == 3:
+        out += [[vocab.decode(t) for t in row] for row in tokens.tolist()]
+      else:
+        out += [vocab.decode(t) for t in tokens.tolist()]
+    if cut:
+      warnings.warn(f"{cut} of {len(texts)} inputs were longer than {max_input_length} tokens "
+                    "and were truncated (raise max_input_length)", stacklevel=2)
+    return out
+
+  def _text_batch(self, inputs, targets, max_length):
+    if len(inputs) != len(targets):
+      raise UserError(f"{len(inputs)} inputs but {len(targets)} targets; pass one target each")
+    enc, _ = self._encode_texts(inputs, max_length)
+    tgt, _ = self._encode_texts(targets, max_length)
+    if self.config.is_encoder_decoder:
+      return {"encoder_input_tokens": enc, "decoder_target_tokens": tgt,
+              "decoder_input_tokens": np.pad(tgt[:, :-1], ((0, 0), (1, 0))),
+              "decoder_loss_weights": (tgt > 0).astype(np.float32)}
+    # Decoder-only: prefix-LM rows, inputs then targets, loss on the targets.
+    rows = []
+    for i in range(len(inputs)):
+      x = [t for t in enc[i] if t]
+      y = [t for t in tgt[i] if t]
+      rows.append((x, y))
+    width = -(-max(len(x) + len(y) for x, y in rows) // _LENGTH_BUCKET) * _LENGTH_BUCKET
+    batch = {k: np.zeros((len(rows), width), np.int32) for k in (
+        "decoder_target_tokens", "decoder_input_tokens", "decoder_causal_attention")}
+    batch["decoder_loss_weights"] = np.zeros((len(rows), width), np.float32)
+    for i, (x, y) in enumerate(rows):
+      seq = x + y
+      batch["decoder_target_tokens"][i, :len(seq)] = seq
+      batch["decoder_input_tokens"][i, 1:len(seq)] = seq[:-1]
+      batch["decoder_causal_attention"][i, :len(x) + 1] = 1
+      batch["decoder_loss_weights"][i, len(x):len(seq)] = 1
+    return batch
+
+  def score(self, inputs, targets, *, batch_size: int = 32,
+            max_length: int | None = None) -> np.ndarray:
+    """Summed log-probability of each target (EOS included) given its input, [n].
+
+    inputs / targets: strings (encoded with the model's vocabulary) or token lists.
+    """
+    out = []
+    for start in range(0, len(inputs), batch_size):
+      batch = self._text_batch(inputs[start:start + batch_size],
+                               targets[start:start + batch_size], max_length)
+      out.append(self.predictor.score(self.params, batch))
+    return np.concatenate(out) if out else np.zeros((0,), np.float32)
+
+  def train_step(self, examples, *, learning_rate: float = 1e-3, optimizer=None,
+                 max_length: int | None = 512) -> dict[str, float]:
+    """One optimizer step on [{'inputs': ..., 'targets': ...}, ...] (T5X's
+    InteractiveModel.train_step, simpler). The optimizer (default Adafactor at a
+    constant learning rate) is made on the first call and kept.
+
+    Returns:
+      {'loss': per-target-token loss, 'accuracy': ...} of this batch before the update.
+    """
+    from t5forge.train import optim  # pylint: disable=import-outside-toplevel
+    from t5forge.train.state import create  # pylint: disable=import-outside-toplevel
+    from t5forge.train.step import make_train_step  # pylint: disable=import-outside-toplevel
+    if not examples:
+      raise UserError("train_step() needs at least one example")
+    batch = self._text_batch([e["inputs"] for e in examples], [e["targets"] for e in examples],
+                             max_length)
+    if self._train is None:
+      spec = optimizer or optim.Adafactor()
+      tx = spec.build(lambda _: jnp.float32(learning_rate), self.model.logical_axes())
+      step_fn = jax.jit(make_train_step(self.model, tx), donate_argnums=(0,))
+      self._train = [step_fn, create(self.params, tx)]
+    step_fn, state = self._train
+    state, sums = step_fn(state, batch)
+    self._train[1] = state
+    self.params = state.params
+    sums = jax.device_get(sums)
+    return {"loss": float(sums["cross_ent_loss"] / max(sums["weight_sum"], 1e-9)),
+            "accuracy": float(sums["accuracy_correct"] / max(sums["accuracy_count"], 1e-9)),
+            "step": int(state.step)}
+
+  # -- saving -------------------------------------------------------------------------------
   def save(self, path: str) -> None:
-    """Writes a t5forge checkpoint directory (orbax)."""
-    native.save(path, self.config, self.params)
+    """Writes a t5forge checkpoint directory (orbax), with the vocabulary."""
+    from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
+    native.save(path, self.config, self.params,
+                extra_config={"vocabulary": vocab_io.to_spec(self.vocabulary)})
 
   def save_hf(self, path: str) -> None:
     """Writes an HF directory that `T5ForConditionalGeneration.from_pretrained` loads."""
@@ -115,22 +287,31 @@ class Model:
     hf.save_hf(jax.tree.map(np.asarray, self.params), self.config, path, tokenizer_dir=tok_dir)
 
 
-def load(path: str, **overrides) -> Model:
+def load(path: str, *, vocabulary=None, **overrides) -> Model:
   """Loads a model from a t5forge checkpoint or MODEL_DIR, an HF directory (or Hub name),
   or a T5X checkpoint.
 
   Args:
     path: where the checkpoint is (see `t5forge.convert.load_checkpoint`).
+    vocabulary: the text vocabulary; default the one saved with a t5forge checkpoint or
+      the spiece.model / ByT5 tokenizer of an HF directory.
     **overrides: runtime config fields, e.g. dtype='bfloat16', scan_layers=True.
   """
+  from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
   ckpt = load_checkpoint(path, **overrides)
-  return Model(ckpt.config, ckpt.params, source=f"{ckpt.format}:{ckpt.path}", checkpoint=ckpt)
+  if vocabulary is None:
+    if ckpt.format == "t5forge":
+      vocabulary = vocab_io.from_spec(ckpt.extras.get("vocabulary"))
+    elif ckpt.format == "hf":
+      vocabulary = vocab_io.from_hf_dir(ckpt.path)
+  return Model(ckpt.config, ckpt.params, source=f"{ckpt.format}:{ckpt.path}", checkpoint=ckpt,
+               vocabulary=vocabulary)
 
 
-def init(config: ModelConfig | str, *, seed: int = 0, **overrides) -> Model:
+def init(config: ModelConfig | str, *, seed: int = 0, vocabulary=None, **overrides) -> Model:
   """A randomly initialised model from a config or a preset name (see `t5forge.presets`)."""
   if isinstance(config, str):
     config = presets.get(config, **overrides)
   elif overrides:
     config = config.replace(**overrides)
-  return Model(config, t5nn.init_params(config, jax.random.key(seed)))
+  return Model(config, t5nn.init_params(config, jax.random.key(seed)), vocabulary=vocabulary)

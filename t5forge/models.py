@@ -4,6 +4,8 @@
 
 - `loss_fn(params, batch, dropout_rng) -> (loss, metric sums)`
 - `score_batch(params, batch) -> log-likelihood [b]`
+- `predict_batch(params, batch, rng) -> tokens [b, l]` and `predict_batch_with_aux`
+  (plus scores), decoding with a KV cache through a function of `t5forge.decoding`
 - `init_params(rng)`, `abstract_params()`, `logical_axes()`
 
 A batch is a dict of SeqIO model features (`encoder_input_tokens`,
@@ -19,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from t5forge import losses
+from t5forge import decoding, losses
 from t5forge import nn as t5nn
 from t5forge.nn.config import ModelConfig
 
@@ -46,7 +48,8 @@ class BaseModel:
   FEATURES: tuple[str, ...] = ()
 
   def __init__(self, config: ModelConfig, *, z_loss: float = 1e-4, label_smoothing: float = 0.0,
-               loss_normalizing_factor=None, vocabulary: Any = None, optimizer: Any = None):
+               loss_normalizing_factor=None, vocabulary: Any = None, optimizer: Any = None,
+               decode_fn: Any = None, decoder_params: dict | None = None):
     self.config = config
     self.network = t5nn.build(config)
     self.z_loss = float(z_loss)
@@ -54,6 +57,30 @@ class BaseModel:
     self.loss_normalizing_factor = losses.parse_loss_normalizing_factor(loss_normalizing_factor)
     self.vocabulary = vocabulary
     self.optimizer = optimizer
+    # T5X's `decode_fn`; the default is greedy decoding (temperature 0).
+    self.decode_fn = decode_fn or decoding.temperature_sample
+    self.decoder_params = dict(decoder_params if decoder_params is not None else (
+        {"temperature": 0.0} if decode_fn is None else {}))
+
+  @property
+  def eos_id(self) -> int:
+    return getattr(self.vocabulary, "eos_id", None) or 1
+
+  def predict_batch(self, params: dict, batch: dict, rng: jax.Array | None = None,
+                    **kwargs) -> jax.Array:
+    """The best decode of each example, [b, l] (see `predict_batch_with_aux`)."""
+    return self.predict_batch_with_aux(params, batch, rng, **kwargs)[0]
+
+  def _decode(self, inputs, cache, tokens_to_logits, rng, *, num_decodes, decoder_params,
+              decode_fn=None, initial_index=None):
+    if decode_fn is None:
+      decode_fn = self.decode_fn
+      params = {**self.decoder_params, **(decoder_params or {})}
+    else:  # a caller's own function comes with its own parameters
+      params = dict(decoder_params or {})
+    return decode_fn(inputs=inputs, cache=cache, tokens_to_logits=tokens_to_logits,
+                          eos_id=self.eos_id, decode_rng=rng, num_decodes=num_decodes,
+                          initial_index=initial_index, **params)
 
   # -- parameters ---------------------------------------------------------------------
   def init_params(self, rng: jax.Array) -> dict:
@@ -146,6 +173,48 @@ def _count_segments(segment_ids: jax.Array | None, tokens: jax.Array) -> jax.Arr
 class EncoderDecoderModel(BaseModel):
   FEATURES = ENC_DEC_FEATURES
 
+  def predict_batch_with_aux(self, params: dict, batch: dict, rng: jax.Array | None = None, *,
+                             decoder_params: dict | None = None, num_decodes: int = 1,
+                             return_all_decodes: bool = False,
+                             max_decode_length: int | None = None, decode_fn=None):
+    """Decodes targets for `encoder_input_tokens` [b, i].
+
+    The encoder runs once; the decoder runs one token per step over a cache of keys and
+    values (encoder keys/values projected once), inside one compiled loop.
+
+    Args:
+      decoder_params: options of the decode function (temperature, topk, topp, alpha,
+        max_decode_steps, ...); values may be traced arrays.
+      num_decodes: samples or beams per example.
+      return_all_decodes: return [b, n, l] sorted by score (best last) instead of the best.
+      max_decode_length: output length l; default decoder_input_tokens' length.
+      decode_fn: a decode function of `t5forge.decoding` instead of the model's own
+        (then decoder_params are its complete options).
+
+    Returns:
+      (tokens [b, l] or [b, n, l], {"scores": [b] or [b, n]}).
+    """
+    enc = batch["encoder_input_tokens"]
+    b = enc.shape[0]
+    length = max_decode_length or batch["decoder_input_tokens"].shape[1]
+    net, variables = self.network, {"params": params}
+    encoded = net.apply(variables, enc, batch.get("encoder_segment_ids"), method=net.encode)
+    _, init = net.apply(variables, encoded, enc, jnp.zeros((b, 1), jnp.int32), decode=True,
+                        max_decode_length=length, method=net.decode, mutable=["cache"])
+
+    def tokens_to_logits(state: decoding.DecodingState):
+      logits, new = net.apply({"params": params, "cache": state.cache}, None, None,
+                              state.cur_token, decode=True, max_decode_length=length,
+                              method=net.decode, mutable=["cache"])
+      return logits[:, 0, :], new["cache"]
+
+    decodes, scores = self._decode(jnp.zeros((b, length), jnp.int32), init["cache"],
+                                   tokens_to_logits, rng, num_decodes=num_decodes,
+                                   decoder_params=decoder_params, decode_fn=decode_fn)
+    if return_all_decodes:
+      return decodes, {"scores": scores}
+    return decodes[:, -1], {"scores": scores[:, -1]}
+
   def feature_converter_kind(self, task_has_inputs: bool) -> str:
     del task_has_inputs
     return "encoder_decoder"
@@ -165,6 +234,60 @@ class DecoderOnlyModel(BaseModel):
 
   def feature_converter_kind(self, task_has_inputs: bool) -> str:
     return "prefix_lm" if task_has_inputs else "decoder_only"
+
+  def predict_batch_with_aux(self, params: dict, batch: dict, rng: jax.Array | None = None, *,
+                             decoder_params: dict | None = None, num_decodes: int = 1,
+                             return_all_decodes: bool = False,
+                             max_decode_length: int | None = None, decode_fn=None):
+    """Continues each example's prompt: the positions of `decoder_input_tokens` [b, t]
+    marked by `decoder_causal_attention` (SeqIO's prefix-LM layout: BOS and the inputs);
+    without it, the non-zero prefix of each row after BOS is the prompt.
+
+    The prompts are right-aligned (left-padded) in t positions and prefilled into the
+    cache in one pass (bidirectionally over the inputs when the model attends that way);
+    then the loop decodes max_decode_length new tokens (default t) for every example in
+    lockstep.
+
+    Returns:
+      (tokens [b, l] or [b, n, l] of new tokens only, {"scores": [b] or [b, n]}).
+    """
+    tokens = batch["decoder_input_tokens"]
+    b, t = tokens.shape
+    length = max_decode_length or t
+    causal = batch.get("decoder_causal_attention")
+    if causal is not None:
+      prompt_len = jnp.sum(causal, axis=-1).astype(jnp.int32)  # BOS + inputs
+    else:
+      prompt_len = 1 + jnp.sum(jnp.cumprod(tokens[:, 1:] > 0, axis=-1), axis=-1).astype(jnp.int32)
+    shift = t - prompt_len  # [b] right-align each prompt
+    src = jnp.arange(t)[None, :] - shift[:, None]  # [b, t]
+    valid = src >= 0
+    prompt = jnp.where(valid, jnp.take_along_axis(tokens, jnp.maximum(src, 0), axis=1), 0)
+    net, total = self.network, t + length
+    prefix = valid.astype(jnp.int32) if self.inputs_bidirectional_attention else None
+    _, init = net.apply({"params": params}, prompt[:, :1], decode=True,
+                        max_decode_length=total, mutable=["cache"])
+    _, filled = net.apply({"params": params, "cache": init["cache"]}, prompt, decode=True,
+                          max_decode_length=total, decoder_causal_attention=prefix,
+                          decoder_valid=valid, mutable=["cache"])
+    cache = filled["cache"]
+    # The loop feeds the last prompt token again (to get the first new token's logits);
+    # it rewrites the same key/value at t - 1, which is exact (see DecoderOnly).
+    cache = {**cache, "decoder": {**cache["decoder"], "index": jnp.asarray(t - 1, jnp.int32)}}
+
+    def tokens_to_logits(state: decoding.DecodingState):
+      logits, new = net.apply({"params": params, "cache": state.cache}, state.cur_token,
+                              decode=True, max_decode_length=total, mutable=["cache"])
+      return logits[:, 0, :], new["cache"]
+
+    inputs = jnp.concatenate([prompt, jnp.zeros((b, length), jnp.int32)], axis=1)
+    decodes, scores = self._decode(inputs, cache, tokens_to_logits, rng,
+                                   num_decodes=num_decodes, decoder_params=decoder_params,
+                                   decode_fn=decode_fn, initial_index=jnp.full((b,), t - 1, jnp.int32))
+    decodes = decodes[..., t - 1:t - 1 + length]  # output j is input position j + 1
+    if return_all_decodes:
+      return decodes, {"scores": scores}
+    return decodes[:, -1], {"scores": scores[:, -1]}
 
   def logits(self, params: dict, batch: dict, dropout_rng: jax.Array | None = None) -> jax.Array:
     if not self.inputs_bidirectional_attention and "decoder_causal_attention" in batch:

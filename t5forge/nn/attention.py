@@ -136,14 +136,21 @@ class MultiHeadAttention(nn.Module):
   float32_logits: bool = True
 
   @nn.compact
-  def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array, bias: jax.Array | None,
-               mask_bias: jax.Array | None, deterministic: bool) -> jax.Array:
+  def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array | None, bias: jax.Array | None,
+               mask_bias: jax.Array | None, deterministic: bool, decode: str | None = None,
+               cache_index: jax.Array | None = None, max_length: int | None = None) -> jax.Array:
     """Attends from inputs_q [b, q, e] to inputs_kv [b, k, e].
 
     Args:
       bias: relative position bias [1, h, q, k], or None (cross-attention).
       mask_bias: additive mask [b, 1, q, k] (0 or MASK_VALUE), or None. Kept apart from
         `bias` so that the [b, h, q, k] sum is only ever formed inside the fused softmax.
+      decode: None (teacher forcing), 'self' (self-attention over a key/value cache of
+        max_length positions: the q new keys/values are written at cache_index and the
+        queries attend over the whole cache, k = max_length), or 'cross' (the encoder's
+        keys/values are projected once, on the first call, and read from the cache
+        afterwards; inputs_kv may then be None).
+      cache_index: position of the first query in the cache (decode='self').
 
     Returns:
       [b, q, e]
@@ -155,11 +162,36 @@ class MultiHeadAttention(nn.Module):
     proj = lambda name, init: Dense(h * d, (ax.EMBED, ax.JOINED_KV), dtype=self.dtype,  # noqa: E731
                                     kernel_init=init, name=name)
     q = proj("query", query_init)(inputs_q).reshape(*inputs_q.shape[:-1], h, d)  # [b, q, h, d]
-    k = proj("key", kernel_init)(inputs_kv).reshape(*inputs_kv.shape[:-1], h, d)  # [b, k, h, d]
-    v = proj("value", kernel_init)(inputs_kv).reshape(*inputs_kv.shape[:-1], h, d)  # [b, k, h, d]
     q = nn.with_logical_constraint(q, (ax.BATCH, ax.LENGTH, ax.ACT_HEADS, ax.ACT_KV))
-    k = nn.with_logical_constraint(k, (ax.BATCH, ax.LENGTH, ax.ACT_HEADS, ax.ACT_KV))
-    v = nn.with_logical_constraint(v, (ax.BATCH, ax.LENGTH, ax.ACT_HEADS, ax.ACT_KV))
+
+    def project_kv(x):
+      k = proj("key", kernel_init)(x).reshape(*x.shape[:-1], h, d)  # [b, k, h, d]
+      v = proj("value", kernel_init)(x).reshape(*x.shape[:-1], h, d)  # [b, k, h, d]
+      return (nn.with_logical_constraint(k, (ax.BATCH, ax.LENGTH, ax.ACT_HEADS, ax.ACT_KV)),
+              nn.with_logical_constraint(v, (ax.BATCH, ax.LENGTH, ax.ACT_HEADS, ax.ACT_KV)))
+
+    if decode == "cross":
+      # The encoder output is fixed during decoding: project it once into the cache.
+      if self.has_variable("cache", "cached_key"):
+        k = self.get_variable("cache", "cached_key")
+        v = self.get_variable("cache", "cached_value")
+      else:
+        k, v = project_kv(inputs_kv)
+        self.put_variable("cache", "cached_key", k)
+        self.put_variable("cache", "cached_value", v)
+    elif decode == "self":
+      initialized = self.has_variable("cache", "cached_key")
+      b = inputs_q.shape[0]
+      k_new, v_new = project_kv(inputs_kv)
+      ck = self.variable("cache", "cached_key", jnp.zeros, (b, max_length, h, d), k_new.dtype)
+      cv = self.variable("cache", "cached_value", jnp.zeros, (b, max_length, h, d), v_new.dtype)
+      if initialized:  # a real step (not the call that creates the cache): write in place
+        zero = jnp.zeros((), jnp.int32)
+        ck.value = jax.lax.dynamic_update_slice(ck.value, k_new, (zero, cache_index, zero, zero))
+        cv.value = jax.lax.dynamic_update_slice(cv.value, v_new, (zero, cache_index, zero, zero))
+      k, v = ck.value, cv.value  # [b, max_length, h, d]
+    else:
+      k, v = project_kv(inputs_kv)
 
     out = dot_product_attention(q, k, v, bias, mask_bias, dropout_rate=self.dropout_rate,
                                 deterministic=deterministic, float32_logits=self.float32_logits,

@@ -9,6 +9,8 @@ Shape letters: b batch, l length, e emb_dim, v vocab.
 from __future__ import annotations
 
 import flax.linen as nn
+import jax
+import jax.numpy as jnp
 
 from t5forge.nn import attention as attn
 from t5forge.nn.config import ModelConfig
@@ -24,11 +26,14 @@ class DecoderOnlyLayer(nn.Module):
   scanned: bool = False
 
   @nn.compact
-  def __call__(self, x, position_bias, mask_bias, deterministic: bool):
+  def __call__(self, x, position_bias, mask_bias, deterministic: bool, decode: bool = False,
+               cache_index=None, max_length: int | None = None):
     # x: [b, l, e]; position_bias: [1, h, l, l]; mask_bias: [b or 1, 1, l, l]
+    # (keys span max_length cache positions when decoding)
     cfg = self.config
     y = _norm(cfg, "pre_self_attention_layer_norm")(x)
-    y = _attention(cfg, "self_attention")(y, y, position_bias, mask_bias, deterministic)
+    y = _attention(cfg, "self_attention")(y, y, position_bias, mask_bias, deterministic,
+                                          "self" if decode else None, cache_index, max_length)
     x = nn.with_logical_constraint(x + _dropout(cfg, y, deterministic), ACT)
     y = _mlp(cfg)(_norm(cfg, "pre_mlp_layer_norm")(x), deterministic)
     x = nn.with_logical_constraint(x + _dropout(cfg, y, deterministic), ACT)
@@ -39,27 +44,65 @@ class _Decoder(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens, segment_ids, causal_attention, deterministic: bool):
+  def __call__(self, tokens, segment_ids, causal_attention, deterministic: bool,
+               decode: bool = False, max_decode_length: int | None = None, valid=None):
     cfg = self.config
     length = tokens.shape[-1]
     embedder = Embed(num_embeddings=cfg.vocab_size, features=cfg.emb_dim,
                      dtype=cfg.activation_dtype, name="token_embedder")
     x = _dropout(cfg, embedder(tokens), deterministic)
     x = nn.with_logical_constraint(x.astype(cfg.activation_dtype), ACT)
-    position_bias = attn.RelativePositionBias(
+    relpos = attn.RelativePositionBias(
         num_buckets=cfg.relative_attention_num_buckets,
         max_distance=cfg.relative_attention_max_distance, num_heads=cfg.num_heads,
-        bidirectional=False, dtype=cfg.activation_dtype, name="relpos_bias")(length, length)
-    mask = attn.causal_mask(length, causal_attention)
-    if segment_ids is not None:
-      mask = attn.combine_masks(mask, attn.segment_mask(segment_ids, segment_ids))
+        bidirectional=False, dtype=cfg.activation_dtype, name="relpos_bias")
+    cache_index = None
+    if decode:
+      mask, position_bias, cache_index = self._decode_mask(relpos, tokens, causal_attention,
+                                                           valid, max_decode_length)
+    else:
+      position_bias = relpos(length, length)
+      mask = attn.causal_mask(length, causal_attention)
+      if segment_ids is not None:
+        mask = attn.combine_masks(mask, attn.segment_mask(segment_ids, segment_ids))
     x = layer_stack(DecoderOnlyLayer, num_layers=cfg.num_decoder_layers, scan=cfg.scan_layers,
-                    remat_policy=cfg.remat_policy, deterministic_argnum=3,
-                    layer_kwargs=dict(config=cfg), x=x,
+                    remat_policy=cfg.remat_policy, static_argnums=(3, 4, 6),
+                    layer_kwargs=dict(config=cfg), x=x, decode=decode,
                     args=(position_bias, attn.mask_to_bias(mask, cfg.activation_dtype),
-                          deterministic))
+                          deterministic, decode, cache_index, max_decode_length))
     x = _dropout(cfg, _norm(cfg, "decoder_norm")(x), deterministic)
     return output_logits(cfg, x, embedder)
+
+
+  def _decode_mask(self, relpos, tokens, causal_attention, valid, max_len):
+    """Masks for cached decoding over max_len positions.
+
+    The cache keeps which positions hold real tokens (`key_valid`): a prompt may be
+    left-padded (`valid` marks its real tokens, BOS included), so that every example
+    of a batch prefills the same number of positions and decodes in lockstep. Relative
+    positions make left padding harmless: only distances between real tokens matter.
+    Positions marked in causal_attention (prefix-LM inputs) attend to each other in
+    both directions within the call that writes them (the prefill).
+    """
+    b, length = tokens.shape
+    initialized = self.has_variable("cache", "index")
+    index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+    key_valid = self.variable("cache", "key_valid", jnp.zeros, (b, max_len), jnp.bool_)
+    pos = index.value
+    valid = jnp.ones((b, length), jnp.bool_) if valid is None else valid.astype(bool)
+    if initialized:
+      key_valid.value = jax.lax.dynamic_update_slice(key_valid.value, valid,
+                                                     (jnp.zeros((), jnp.int32), pos))
+      index.value = pos + length
+    query_pos = pos + jnp.arange(length)
+    mask = (jnp.arange(max_len)[None, :] <= query_pos[:, None])[None, None]  # [1, 1, l, L]
+    mask = mask & key_valid.value[:, None, None, :]
+    if causal_attention is not None:
+      prefix = causal_attention.astype(bool) & valid  # [b, l]
+      prefix_keys = jax.lax.dynamic_update_slice(jnp.zeros((b, max_len), jnp.bool_), prefix,
+                                                 (jnp.zeros((), jnp.int32), pos))
+      mask = mask | (prefix[:, None, :, None] & prefix_keys[:, None, None, :])
+    return mask, relpos(length, max_len, pos), pos
 
 
 class DecoderOnly(nn.Module):
@@ -72,15 +115,20 @@ class DecoderOnly(nn.Module):
 
   def __call__(self, decoder_input_tokens, decoder_target_tokens=None, decoder_segment_ids=None,
                decoder_positions=None, decoder_causal_attention=None, *,
-               enable_dropout: bool = False):
-    """Teacher forcing over [b, l] tokens.
+               enable_dropout: bool = False, decode: bool = False,
+               max_decode_length: int | None = None, decoder_valid=None):
+    """Teacher forcing over [b, l] tokens, or a step of cached decoding.
 
     Args:
       decoder_input_tokens: [b, l], the sequence shifted right (0 as BOS).
       decoder_segment_ids: [b, l] for packed rows, or None.
       decoder_causal_attention: [b, l] 1 over the prefix (inputs) that attends
         bidirectionally (prefix-LM), or None for a plain causal LM.
+      decode / max_decode_length: use and update the 'cache' collection; the call that
+        creates the cache writes nothing and leaves the index at 0. A call with l > 1
+        prefills l positions at once.
+      decoder_valid: [b, l] real tokens when decoding (left-padded prompts), else all.
     """
     del decoder_target_tokens, decoder_positions
     return self.decoder(decoder_input_tokens, decoder_segment_ids, decoder_causal_attention,
-                        not enable_dropout)
+                        not enable_dropout, decode, max_decode_length, decoder_valid)

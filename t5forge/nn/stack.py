@@ -23,26 +23,29 @@ REMAT_POLICIES = {
 
 
 def layer_stack(layer_cls: type[nn.Module], *, num_layers: int, scan: bool, remat_policy: str,
-                deterministic_argnum: int, layer_kwargs: dict[str, Any], x: jax.Array,
-                args: tuple) -> jax.Array:
+                static_argnums: tuple[int, ...], layer_kwargs: dict[str, Any], x: jax.Array,
+                args: tuple, decode: bool = False) -> jax.Array:
   """Applies `num_layers` layers of `layer_cls` to x; call from a compact method.
 
   Args:
     layer_cls: a module whose `__call__(x, *args)` returns x (or (x, None) if scanned).
-    deterministic_argnum: index (after self) of the Python-bool `deterministic`
-      argument, which remat must treat as static.
+    static_argnums: indices (after self) of the Python-valued arguments (e.g.
+      `deterministic`), which remat must treat as static.
     layer_kwargs: constructor arguments of each layer (besides `name` and `scanned`).
     x: the carried activations [b, l, e]; args: arguments broadcast to every layer.
+    decode: decoding with a cache: no remat (nothing is differentiated), and scanned
+      caches are stacked on axis 1 so that axis 0 stays the batch (decoders expand and
+      reorder caches along axis 0 for beams).
   """
   block = layer_cls
-  if remat_policy != "none":
+  if remat_policy != "none" and not decode:
     # Flax's remat counts `self` as argument 0.
     block = nn.remat(block, policy=REMAT_POLICIES[remat_policy], prevent_cse=not scan,
-                     static_argnums=(deterministic_argnum + 1,))
+                     static_argnums=tuple(i + 1 for i in static_argnums))
   if scan:
     scanned = nn.scan(
         block,
-        variable_axes={"params": 0, "cache": 0},
+        variable_axes={"params": 0, "cache": 1},
         split_rngs={"params": True, "dropout": True},
         in_axes=(nn.broadcast,) * len(args),
         length=num_layers,

@@ -67,15 +67,18 @@ class DecoderLayer(nn.Module):
 
   @nn.compact
   def __call__(self, x, encoded, position_bias, self_mask_bias, cross_mask_bias,
-               deterministic: bool):
-    # x: [b, t, e]; encoded: [b, i, e]; position_bias: [1, h, t, t]
+               deterministic: bool, decode: bool = False, cache_index=None,
+               max_length: int | None = None):
+    # x: [b, t, e]; encoded: [b, i, e] (None when decoding from a filled cache);
+    # position_bias: [1, h, t, t] ([1, h, t, max_length] when decoding)
     cfg = self.config
     y = _norm(cfg, "pre_self_attention_layer_norm")(x)
-    y = _attention(cfg, "self_attention")(y, y, position_bias, self_mask_bias, deterministic)
+    y = _attention(cfg, "self_attention")(y, y, position_bias, self_mask_bias, deterministic,
+                                          "self" if decode else None, cache_index, max_length)
     x = nn.with_logical_constraint(x + _dropout(cfg, y, deterministic), ACT)
     y = _norm(cfg, "pre_cross_attention_layer_norm")(x)
     y = _attention(cfg, "encoder_decoder_attention")(y, encoded, None, cross_mask_bias,
-                                                     deterministic)
+                                                     deterministic, "cross" if decode else None)
     x = nn.with_logical_constraint(x + _dropout(cfg, y, deterministic), ACT)
     y = _mlp(cfg)(_norm(cfg, "pre_mlp_layer_norm")(x), deterministic)
     x = nn.with_logical_constraint(x + _dropout(cfg, y, deterministic), ACT)
@@ -115,7 +118,7 @@ class Encoder(nn.Module):
     if segment_ids is not None:
       mask = attn.combine_masks(mask, attn.segment_mask(segment_ids, segment_ids))
     x = layer_stack(EncoderLayer, num_layers=cfg.num_encoder_layers, scan=cfg.scan_layers,
-                    remat_policy=cfg.remat_policy, deterministic_argnum=3,
+                    remat_policy=cfg.remat_policy, static_argnums=(3,),
                     layer_kwargs=dict(config=cfg), x=x,
                     args=(position_bias, attn.mask_to_bias(mask, cfg.activation_dtype),
                           deterministic))
@@ -129,36 +132,57 @@ class Decoder(nn.Module):
 
   @nn.compact
   def __call__(self, encoded, encoder_tokens, decoder_input_tokens, encoder_segment_ids,
-               decoder_segment_ids, deterministic: bool):
-    """Teacher-forced decoder: -> logits [b, t, v] (float32).
+               decoder_segment_ids, deterministic: bool, decode: bool = False,
+               max_decode_length: int | None = None):
+    """The decoder: -> logits [b, t, v] (float32).
 
     Args:
-      encoded: [b, i, e] encoder output.
-      encoder_tokens: [b, i], only for the padding mask of the cross-attention.
-      decoder_input_tokens: [b, t], targets shifted right with 0 as BOS.
+      encoded: [b, i, e] encoder output (when decoding: needed on the call that creates
+        the cache only).
+      encoder_tokens: [b, i], only for the padding mask of the cross-attention (same).
+      decoder_input_tokens: [b, t], targets shifted right with 0 as BOS; when decoding,
+        the t next tokens (usually t = 1).
       encoder_segment_ids, decoder_segment_ids: [b, i], [b, t] for packed rows, or None.
+      decode: use and update the 'cache' collection (key/values of max_decode_length
+        positions, the encoder's projected keys/values and mask, the write index). The
+        first call with an empty cache creates it and leaves the index at 0.
     """
     cfg = self.config
     length = decoder_input_tokens.shape[-1]
+    dtype = cfg.activation_dtype
     y = _dropout(cfg, self.shared_embedding(decoder_input_tokens), deterministic)
     y = nn.with_logical_constraint(y.astype(cfg.activation_dtype), ACT)
-    position_bias = attn.RelativePositionBias(
+    relpos = attn.RelativePositionBias(
         num_buckets=cfg.relative_attention_num_buckets,
         max_distance=cfg.relative_attention_max_distance, num_heads=cfg.num_heads,
-        bidirectional=False, dtype=cfg.activation_dtype, name="relpos_bias")(length, length)
-    self_mask = attn.causal_mask(length)
-    cross_mask = attn.padding_mask(None, encoder_tokens > 0)
-    if decoder_segment_ids is not None:
-      self_mask = attn.combine_masks(
-          self_mask, attn.segment_mask(decoder_segment_ids, decoder_segment_ids))
-      cross_mask = attn.combine_masks(
-          cross_mask, attn.segment_mask(decoder_segment_ids, encoder_segment_ids))
-    dtype = cfg.activation_dtype
+        bidirectional=False, dtype=cfg.activation_dtype, name="relpos_bias")
+    cache_index = None
+    if decode:
+      initialized = self.has_variable("cache", "index")
+      index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+      encoder_valid = self.variable("cache", "encoder_valid", lambda: encoder_tokens > 0)
+      cache_index = index.value
+      position_bias = relpos(length, max_decode_length, cache_index)  # [1, h, t, max_len]
+      query_pos = cache_index + jnp.arange(length)
+      self_mask = (jnp.arange(max_decode_length)[None, :] <= query_pos[:, None])[None, None]
+      cross_mask = attn.padding_mask(None, encoder_valid.value)
+      if initialized:
+        index.value = cache_index + length
+    else:
+      position_bias = relpos(length, length)
+      self_mask = attn.causal_mask(length)
+      cross_mask = attn.padding_mask(None, encoder_tokens > 0)
+      if decoder_segment_ids is not None:
+        self_mask = attn.combine_masks(
+            self_mask, attn.segment_mask(decoder_segment_ids, decoder_segment_ids))
+        cross_mask = attn.combine_masks(
+            cross_mask, attn.segment_mask(decoder_segment_ids, encoder_segment_ids))
     y = layer_stack(DecoderLayer, num_layers=cfg.num_decoder_layers, scan=cfg.scan_layers,
-                    remat_policy=cfg.remat_policy, deterministic_argnum=5,
-                    layer_kwargs=dict(config=cfg), x=y,
+                    remat_policy=cfg.remat_policy, static_argnums=(5, 6, 8),
+                    layer_kwargs=dict(config=cfg), x=y, decode=decode,
                     args=(encoded, position_bias, attn.mask_to_bias(self_mask, dtype),
-                          attn.mask_to_bias(cross_mask, dtype), deterministic))
+                          attn.mask_to_bias(cross_mask, dtype), deterministic, decode,
+                          cache_index, max_decode_length))
     y = _dropout(cfg, _norm(cfg, "decoder_norm")(y), deterministic)
     return output_logits(cfg, y, self.shared_embedding)
 
@@ -182,10 +206,13 @@ class EncoderDecoder(nn.Module):
 
   def decode(self, encoded, encoder_input_tokens, decoder_input_tokens,
              encoder_segment_ids=None, decoder_segment_ids=None, *,
-             enable_dropout: bool = False):
-    """[b, i, e], [b, i], [b, t] -> logits [b, t, v]."""
+             enable_dropout: bool = False, decode: bool = False,
+             max_decode_length: int | None = None):
+    """[b, i, e], [b, i], [b, t] -> logits [b, t, v]; with decode=True, one step of
+    cached decoding (see `Decoder`)."""
     return self.decoder(encoded, encoder_input_tokens, decoder_input_tokens,
-                        encoder_segment_ids, decoder_segment_ids, not enable_dropout)
+                        encoder_segment_ids, decoder_segment_ids, not enable_dropout,
+                        decode, max_decode_length)
 
   def __call__(self, encoder_input_tokens, decoder_input_tokens, decoder_target_tokens=None,
                encoder_segment_ids=None, decoder_segment_ids=None, encoder_positions=None,

@@ -221,6 +221,13 @@ class _Run:
     task = data.get_mixture_or_task(cfg.mixture_or_task_name)
     first_task = task.tasks[0] if hasattr(task, "tasks") else task
     self.model_kind = self.model.feature_converter_kind("inputs" in first_task.output_features)
+    vocab = first_task.output_features["targets"].vocabulary
+    if vocab.vocab_size > self.model.config.vocab_size:
+      raise UserError(f"task {first_task.name!r} has a vocabulary of {vocab.vocab_size} ids but "
+                      f"the model's vocab_size is {self.model.config.vocab_size}; set "
+                      f"network.ModelConfig.vocab_size >= {vocab.vocab_size}")
+    if self.model.vocabulary is None:  # T5X's VOCABULARY = None: the task's vocabulary
+      self.model.vocabulary = vocab
     self.shard_index, self.num_shards = self.partitioner.host_batch_slice(self.global_batch)
     self.train_iter = data.get_batches(
         cfg.mixture_or_task_name, cfg.task_feature_lengths, self.global_batch // self.num_shards,
@@ -310,7 +317,9 @@ class _Run:
     return scalars
 
   def save(self, step: int, *, metrics: dict | None) -> None:
-    self.checkpointer.save(step, self.state, config_item=_config_item(self.model),
+    if not hasattr(self, "_config"):
+      self._config = _config_item(self.model)  # the vocabulary is base64: build it once
+    self.checkpointer.save(step, self.state, config_item=self._config,
                            data_state=self.train_iter.get_state(), metrics=metrics)
 
   def close(self) -> None:
@@ -338,9 +347,8 @@ def _check_finite(flag, step: int, checkpointer: ckpt_lib.Checkpointer) -> None:
 
 
 def _config_item(model: BaseModel) -> dict:
-  vocab = model.vocabulary
-  return {"model": model.config.to_dict(),
-          "vocabulary": getattr(vocab, "spec", None) if vocab is not None else None}
+  from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
+  return {"model": model.config.to_dict(), "vocabulary": vocab_io.to_spec(model.vocabulary)}
 
 
 def _restore_or_init(*, model, tx, seed, checkpointer, restore_cfg, train_iter, abstract,

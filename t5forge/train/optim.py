@@ -217,7 +217,7 @@ def adafactor(learning_rate: float | Schedule, *, param_axes: Any = None, factor
     decay = 1.0 - t ** (-decay_rate)
     mixing = 1.0 - decay
     if global_norm_clip_threshold:
-      norm = optax.global_norm(grads)
+      norm = optax.tree.norm(grads)
       scale = global_norm_clip_threshold * jnp.minimum(1.0 / global_norm_clip_threshold, 1.0 / norm)
       grads = jax.tree.map(lambda g: g * scale, grads)
 

@@ -81,7 +81,7 @@ def make_train_step(model: BaseModel, optimizer: optax.GradientTransformation, *
     sums = dict(sums)
     sums["steps"] = jnp.asarray(1.0, jnp.float32)
     # Checked by the loop one step later (no host sync on the hot path).
-    sums["finite"] = jnp.isfinite(sums["loss"]) & jnp.isfinite(optax.global_norm(grads))
+    sums["finite"] = jnp.isfinite(sums["loss"]) & jnp.isfinite(optax.tree.norm(grads))
     if learning_rate_fn is not None:
       # Summed over steps like everything else; the reporter divides by steps.
       sums["learning_rate"] = jnp.asarray(learning_rate_fn(state.step), jnp.float32)

@@ -1,0 +1,530 @@
+"""Decoding over a logits function and a KV cache: greedy, temperature / top-k / top-p
+sampling, and beam search, with T5X's semantics (`t5x/decoding.py`).
+
+Every decode function has one contract:
+
+    fn(inputs, cache, tokens_to_logits, eos_id, num_decodes, decode_rng, **kw)
+        -> (decodes [b, n, l] int32, scores [b, n] float32)
+
+Shape letters: b batch, n num_decodes (samples or beams), f = b * n the flat batch the
+model sees, l decode length, v vocabulary.
+
+- `inputs` [b, l] int32 are decoder input tokens: position 0 is BOS (always fed as 0);
+  non-zero tokens at positions 1..p are a prompt that is forced, never overwritten and
+  not scored; the zeros after it are decoded. The prompt must be contiguous.
+- `decodes[:, j]` is the token at input position j + 1: the output is the inputs shifted
+  left by one with the last position decoded too (T5X), so it holds the prompt, the new
+  tokens, and zeros after the first generated EOS or after the step limit.
+- Both axes n are sorted by increasing score: the best decode is `[:, -1]` (T5X).
+- `cache` is any pytree. Every leaf with `ndim > cache_offset` has the batch b on axis
+  `cache_offset` (0, or 1 for caches of `nn.scan`ned layers, [layers, b, ...]); it is
+  repeated to f rows (the n copies of an example are adjacent: row e * n + j) and, in
+  beam search, gathered by parent beam every step. Leaves with `ndim <= cache_offset`
+  (a scalar cache index) are shared by all rows and passed through untouched; a shared
+  leaf must be such a scalar, not a [1, ...] array (T5X's `cached_bias` would be one).
+- `tokens_to_logits(DecodingState) -> (logits [f, v], new cache)`; the new cache must
+  have the structure, shapes and dtypes of the old one (it is a loop carry).
+
+Speed: each function is one `lax.while_loop` (no host round trip per token), jittable
+as a whole. Shapes and `num_decodes`, `topk`, `max_decode_len`, `rescale_log_probs` and
+`cache_offset` are static; `temperature`, `topp`, `alpha`, `max_decode_steps`,
+`initial_index`, `eos_id` and `decode_rng` may be traced, so callers can change them
+without recompiling. The cache is a loop carry that XLA updates in place; jit callers
+can donate it.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from t5forge.errors import UserError
+
+PyTree = Any
+
+# "Effective negative infinity" for beam log-probs and scores (T5X's value). Finite, so
+# that arithmetic on masked beams never produces NaN.
+NEG_INF = -1.0e7
+# Temperatures at or below this decode greedily: dividing by ~0 would overflow (T5X).
+MIN_TEMPERATURE = 1e-4
+
+
+@flax.struct.dataclass
+class DecodingState:
+  """What `tokens_to_logits` sees at each step (T5X's DecodingState).
+
+  Attributes:
+    cur_index: [f] int32 position of `cur_token` in `sequences`, per row. Rows that have
+      finished keep their last index while others continue.
+    sequences: [f, l] int32 decoder inputs so far (prompt and decoded tokens).
+    cur_token: [f, 1] int32 the token to feed now.
+    cache: the cache pytree with f rows.
+  """
+  cur_index: jax.Array
+  sequences: jax.Array
+  cur_token: jax.Array
+  cache: PyTree
+
+
+TokensToLogits = Callable[[DecodingState], tuple[jax.Array, PyTree]]
+
+
+def brevity_penalty(alpha, length):
+  """T5X's length normaliser `((5 + length) / 6) ** alpha`; scores are log-prob / this."""
+  return jnp.power((5.0 + jnp.asarray(length, jnp.float32)) / 6.0, alpha)
+
+
+def flat_batch_beam_expand(x: jax.Array, beam_size: int, offset: int = 0) -> jax.Array:
+  """Repeats each example `beam_size` times along axis `offset`: [.., b, ..] -> [.., b*n, ..].
+
+  Copies of one example are adjacent (row e * n + j), as T5X lays out beams.
+  """
+  return jnp.repeat(x, beam_size, axis=offset)
+
+
+def _cache_map(fn: Callable[[jax.Array], jax.Array], cache: PyTree, offset: int) -> PyTree:
+  """Applies fn to the cache leaves that have a batch axis; shared leaves pass through."""
+  return jax.tree.map(lambda x: fn(x) if jnp.ndim(x) > offset else x, cache)
+
+
+def _check_cache(cache: PyTree, batch: int, offset: int) -> None:
+  for path, x in jax.tree_util.tree_flatten_with_path(cache)[0]:
+    if jnp.ndim(x) > offset and jnp.shape(x)[offset] != batch:
+      raise ValueError(f"cache leaf {jax.tree_util.keystr(path)} has shape {jnp.shape(x)}: "
+                       f"axis {offset} must be the batch ({batch}); make it a scalar if it "
+                       "is shared by all examples")
+
+
+def _take_beams(x: jax.Array, idx: jax.Array) -> jax.Array:
+  """[b, m, ...] indexed by [b, n] along axis 1 -> [b, n, ...] (a batched gather)."""
+  return jax.vmap(lambda xb, ib: xb[ib])(x, idx)
+
+
+def _gather_cache_beams(cache: PyTree, parent: jax.Array, offset: int) -> PyTree:
+  """Gives each of the f = b * k rows the cache of its parent beam.
+
+  A gather batched over examples (not a gather over the flat f axis), so that the
+  SPMD partitioner keeps a batch-sharded cache sharded; it moves k times fewer bytes
+  than T5X's one-hot einsum.
+
+  Args:
+    cache: leaves [.., f, ...] with the flat batch on axis `offset`.
+    parent: [b, k] int32 beam index (within its example) of each new beam.
+  """
+  b, k = parent.shape
+
+  def gather(x):
+    shape = x.shape
+    # [.., b, k, ...]
+    x = x.reshape(shape[:offset] + (b, k) + shape[offset + 1:])
+    x = jax.vmap(lambda xb, ib: jnp.take(xb, ib, axis=offset), in_axes=(offset, 0),
+                 out_axes=offset)(x, parent)
+    return x.reshape(shape)
+
+  return _cache_map(gather, cache, offset)
+
+
+def _static(x) -> np.ndarray | None:
+  """x as a numpy value when known at trace time (to validate it), else None."""
+  if isinstance(x, jax.core.Tracer):
+    return None
+  return np.asarray(x)
+
+
+def _per_row(x, name: str, batch: int, n: int) -> jax.Array:
+  """A scalar, or one value per example [b] repeated to the flat batch [f]."""
+  x = jnp.asarray(x, jnp.float32)
+  if x.ndim == 0:
+    return x
+  if x.shape != (batch,):
+    raise ValueError(f"{name} must be a scalar or have shape [{batch}], got {x.shape}")
+  return jnp.repeat(x, n)
+
+
+def _col(x: jax.Array) -> jax.Array:
+  """Makes a scalar or [f] value broadcast against [f, v]."""
+  return x[:, None] if x.ndim else x
+
+
+def _check_num_decodes(num_decodes, what: str) -> int:
+  if isinstance(num_decodes, bool) or not isinstance(num_decodes, (int, np.integer)) \
+      or num_decodes < 1:
+    raise UserError(f"num_decodes={num_decodes!r} is {what} and must be an integer >= 1; "
+                    "set num_decodes to 1 or more")
+  return int(num_decodes)
+
+
+def _check_inputs(inputs) -> jax.Array:
+  inputs = jnp.asarray(inputs)
+  if inputs.ndim != 2 or not jnp.issubdtype(inputs.dtype, jnp.integer):
+    raise ValueError(f"inputs must be int tokens [batch, length], got {inputs.dtype}"
+                     f"{list(inputs.shape)}")
+  return inputs.astype(jnp.int32)
+
+
+def _check_sampling_options(temperature, topk, topp, max_decode_steps, length: int) -> None:
+  t = _static(temperature)
+  if t is not None and np.any(t < 0):
+    raise UserError(f"temperature={temperature} is negative; use 0 for greedy decoding or a "
+                    "positive value to sample")
+  if isinstance(topk, bool) or not isinstance(topk, (int, np.integer)) or topk < 0:
+    raise UserError(f"topk={topk!r} must be a non-negative Python integer (it fixes a shape); "
+                    "use 0 to disable top-k")
+  p = _static(topp)
+  if p is not None and np.any((p < 0) | (p > 1)):
+    raise UserError(f"topp={topp} must be in [0, 1]; use 0 to disable nucleus sampling")
+  if topk > 0 and p is not None and np.any(p > 0):
+    raise UserError(f"topk={topk} and topp={topp} are both set; as in T5X use one of them: "
+                    "set topk=0 or topp=0")
+  s = _static(max_decode_steps) if max_decode_steps is not None else None
+  if s is not None and np.any(s < 1):
+    raise UserError(f"max_decode_steps={max_decode_steps} must be >= 1 (it counts new tokens "
+                    "after the prompt); leave it None to decode the whole length")
+  if s is not None and np.any(s > length):
+    raise UserError(f"max_decode_steps={max_decode_steps} exceeds the decode length {length}; "
+                    "lower max_decode_steps or lengthen the targets feature")
+
+
+# ------------------------------------------------------------------------------------
+# Temperature sampling
+# ------------------------------------------------------------------------------------
+
+
+def _topk_mask(logits: jax.Array, k: int) -> jax.Array:
+  """Keeps the k largest logits per row (and ties with the k-th, as T5X); [f, v]."""
+  kth = lax.top_k(logits, k)[0][:, -1:]  # [f, 1]; O(v log k), no full sort
+  return jnp.where(logits >= kth, logits, -jnp.inf)
+
+
+def _topp_mask(logits: jax.Array, topp: jax.Array) -> jax.Array:
+  """Keeps the smallest set of top tokens whose probability is >= topp; [f, v].
+
+  The top token is always kept (so topp -> 0 is greedy), and ties with the last kept
+  token are kept, as T5X's binary search does. topp outside (0, 1) keeps everything.
+  """
+  # One sort per step: [f, v] descending.
+  sorted_logits = jnp.flip(jnp.sort(logits, axis=-1), axis=-1)
+  probs = jax.nn.softmax(sorted_logits, axis=-1)
+  mass_before = jnp.cumsum(probs, axis=-1) - probs
+  # A token is needed while the mass of the tokens above it is still short of topp.
+  keep = (mass_before < topp) | (jnp.arange(logits.shape[-1]) == 0)
+  cutoff = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+  masked = jnp.where(logits >= cutoff, logits, -jnp.inf)
+  return jnp.where((topp > 0) & (topp < 1), masked, logits)
+
+
+def _token_log_prob(logits: jax.Array, token: jax.Array) -> jax.Array:
+  """log_softmax(logits)[token] per row: [f, v], [f] -> [f]."""
+  return jnp.take_along_axis(jax.nn.log_softmax(logits), token[:, None], axis=-1)[:, 0]
+
+
+def _greedy(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+  token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  return token, _token_log_prob(logits, token)
+
+
+def _sample(logits, key, temperature, topk: int, topp, use_topp: bool,
+            rescale_log_probs: bool) -> tuple[jax.Array, jax.Array]:
+  scaled = logits / _col(jnp.maximum(temperature, MIN_TEMPERATURE))
+  if 0 < topk < logits.shape[-1]:
+    scaled = _topk_mask(scaled, topk)
+  if use_topp:
+    scaled = _topp_mask(scaled, _col(topp))
+  token = jax.random.categorical(key, scaled).astype(jnp.int32)
+  return token, _token_log_prob(scaled if rescale_log_probs else logits, token)
+
+
+class _SampleState(NamedTuple):
+  step: jax.Array  # [] int32
+  cur_index: jax.Array  # [f] int32
+  sequences: jax.Array  # [f, l + 1] int32
+  cache: PyTree
+  ended: jax.Array  # [f] bool: generated EOS
+  log_prob: jax.Array  # [f] float32
+
+
+def temperature_sample(inputs: jax.Array, cache: PyTree, tokens_to_logits: TokensToLogits,
+                       eos_id: int, decode_rng: jax.Array | None = None, num_decodes: int = 1,
+                       temperature=1.0, topk: int = 0, topp=0.0,
+                       initial_index: jax.Array | None = None, max_decode_steps=None,
+                       rescale_log_probs: bool = True,
+                       cache_offset: int = 0) -> tuple[jax.Array, jax.Array]:
+  """Greedy decoding and temperature / top-k / top-p sampling (T5X's temperature_sample).
+
+  Every row decodes until it generates `eos_id` (later positions stay 0) or fills its
+  length; the loop ends when all rows are done.
+
+  Args:
+    inputs: [b, l] int32 decoder inputs: BOS at 0, an optional forced prompt, zeros.
+    cache: the cache for b examples (see the module docstring).
+    tokens_to_logits: the model step; see `DecodingState`.
+    eos_id: end-of-sequence id.
+    decode_rng: PRNG key for sampling; None uses PRNGKey(0) (T5X). Unused if greedy.
+    num_decodes: static; independent samples per example.
+    temperature: scalar or [b] (traceable). <= 1e-4 is greedy (argmax); a Python 0
+      compiles a greedy-only loop.
+    topk: static; if > 0 sample among the topk largest logits (ties included). With
+      a concrete non-zero topp it is a UserError; with a traced topp both apply.
+    topp: scalar or [b] (traceable); if in (0, 1) sample from the smallest set of top
+      tokens with probability >= topp. A traced topp always costs a sort per step.
+    initial_index: optional [b] int32 position of the last token already in the cache
+      (a prefilled decoder-only prompt): decoding feeds `inputs[e, initial_index[e]]`
+      first and writes from the next position; positions up to it are kept.
+    max_decode_steps: optional scalar or [b] (traceable): at most this many positions
+      after the prompt are decoded (the prompt is the non-zero tokens of inputs[:, 1:]).
+    rescale_log_probs: static; score sampled tokens with the distribution they were
+      drawn from (after temperature, top-k, top-p) instead of the model's softmax.
+    cache_offset: static; the batch axis of the cache leaves.
+
+  Returns:
+    decodes [b, n, l] int32 and scores [b, n] float32 (the summed log-probs of the
+    decoded, non-prompt tokens incl. EOS), sorted by increasing score (best last).
+    Greedy rows are scored with the model's log-softmax.
+  """
+  inputs = _check_inputs(inputs)
+  n = _check_num_decodes(num_decodes, "the number of samples per example")
+  b, l = inputs.shape
+  _check_sampling_options(temperature, topk, topp, max_decode_steps, l)
+  _check_cache(cache, b, cache_offset)
+  f = b * n
+
+  # [f, l + 1]: one slot more than inputs because the output is the inputs shifted left
+  # with the last position decoded as well.
+  sequences = jnp.pad(flat_batch_beam_expand(inputs, n), ((0, 0), (0, 1)))
+  if initial_index is None:
+    sequences = sequences.at[:, 0].set(0)  # T5X feeds BOS = 0 whatever inputs[:, 0] is
+    index0 = jnp.zeros((f,), jnp.int32)
+  else:
+    index0 = flat_batch_beam_expand(jnp.asarray(initial_index, jnp.int32).reshape(b), n)
+  if max_decode_steps is None:
+    limit = jnp.full((f,), l + 1, jnp.int32)
+  else:
+    # Rows may write positions < limit: the prompt plus max_decode_steps new tokens.
+    num_prompt = jnp.sum(sequences[:, 1:] != 0, axis=1, dtype=jnp.int32)
+    steps = jnp.broadcast_to(jnp.asarray(max_decode_steps, jnp.int32), (b,))
+    limit = jnp.minimum(num_prompt + flat_batch_beam_expand(steps, n), l) + 1
+
+  # Read static values before any jnp op: under jit those return tracers.
+  t_static, p_static = _static(temperature), _static(topp)
+  temperature = _per_row(temperature, "temperature", b, n)
+  topp = _per_row(topp, "topp", b, n)
+  greedy_only = t_static is not None and bool(np.all(t_static <= MIN_TEMPERATURE))
+  use_topp = p_static is None or bool(np.any((p_static > 0) & (p_static < 1)))
+  rng = jax.random.PRNGKey(0) if decode_rng is None else decode_rng
+
+  def next_token(logits, step):
+    """[f, v] -> (token [f], log-prob [f]) before forcing the prompt."""
+    if greedy_only:
+      return _greedy(logits)
+    key = jax.random.fold_in(rng, step)
+    sample = lambda: _sample(logits, key, temperature, topk, topp, use_topp, rescale_log_probs)
+    if t_static is not None and temperature.ndim == 0:
+      return sample()
+    if temperature.ndim == 0:
+      # Skip the sampling work (and top-p's sort) when a traced temperature is ~0.
+      return lax.cond(temperature > MIN_TEMPERATURE, sample, lambda: _greedy(logits))
+    (g_tok, g_lp), (s_tok, s_lp) = _greedy(logits), sample()
+    hot = temperature > MIN_TEMPERATURE
+    return jnp.where(hot, s_tok, g_tok), jnp.where(hot, s_lp, g_lp)
+
+  positions = jnp.arange(l + 1, dtype=jnp.int32)
+
+  def done(s: _SampleState) -> jax.Array:
+    return s.ended | (s.cur_index + 1 >= limit)
+
+  def body(s: _SampleState) -> _SampleState:
+    active = ~done(s)  # [f]
+    cur_token = jnp.take_along_axis(s.sequences, s.cur_index[:, None], axis=1)  # [f, 1]
+    logits, new_cache = tokens_to_logits(DecodingState(
+        cur_index=s.cur_index, sequences=s.sequences[:, :l], cur_token=cur_token,
+        cache=s.cache))
+    token, token_lp = next_token(logits.astype(jnp.float32), s.step)
+    nxt = jnp.minimum(s.cur_index + 1, l)  # [f]; clamped only for rows that are done
+    prompt_token = jnp.take_along_axis(s.sequences, nxt[:, None], axis=1)[:, 0]
+    forced = prompt_token != 0
+    token = jnp.where(forced, prompt_token, token)
+    generated = active & ~forced
+    # Finished rows are never written, so their tail keeps the zeros of inputs.
+    write = active[:, None] & (positions == nxt[:, None])  # [f, l + 1]
+    return _SampleState(
+        step=s.step + 1,
+        cur_index=jnp.where(active, nxt, s.cur_index),
+        sequences=jnp.where(write, token[:, None], s.sequences),
+        cache=new_cache,
+        ended=s.ended | (generated & (token == eos_id)),
+        log_prob=s.log_prob + jnp.where(generated, token_lp, 0.0))
+
+  init = _SampleState(
+      step=jnp.zeros((), jnp.int32), cur_index=index0, sequences=sequences,
+      cache=_cache_map(lambda x: flat_batch_beam_expand(x, n, cache_offset), cache,
+                       cache_offset),
+      ended=jnp.zeros((f,), bool), log_prob=jnp.zeros((f,), jnp.float32))
+  final = lax.while_loop(lambda s: jnp.any(~done(s)), body, init)
+
+  decodes = final.sequences[:, 1:].reshape(b, n, l)
+  scores = final.log_prob.reshape(b, n)
+  if n == 1:
+    return decodes, scores
+  order = jnp.argsort(scores, axis=1)  # [b, n] increasing: best last
+  return _take_beams(decodes, order), jnp.take_along_axis(scores, order, axis=1)
+
+
+# ------------------------------------------------------------------------------------
+# Beam search
+# ------------------------------------------------------------------------------------
+
+
+class _BeamState(NamedTuple):
+  cur_index: jax.Array  # [b] int32 position of the tokens fed next (same for all beams)
+  live_log_probs: jax.Array  # [b, k] float32, increasing
+  live_seqs: jax.Array  # [b, k, l + 1] int32
+  finished_scores: jax.Array  # [b, k] float32, increasing
+  finished_seqs: jax.Array  # [b, k, l + 1] int32
+  finished_flags: jax.Array  # [b, k] bool: slot holds a real finished sequence
+  cache: PyTree  # rows f = b * k
+
+
+def beam_search(inputs: jax.Array, cache: PyTree, tokens_to_logits: TokensToLogits,
+                eos_id: int, num_decodes: int = 4, alpha=0.6, max_decode_len: int | None = None,
+                decode_rng: jax.Array | None = None, initial_index: jax.Array | None = None,
+                cache_offset: int = 0) -> tuple[jax.Array, jax.Array]:
+  """T5X's beam search: k live and k finished beams, top-2k candidates per step.
+
+  A finished sequence (ending in a generated EOS at position `length`, counted from 1
+  and including the prompt) scores `log_prob / brevity_penalty(alpha, length)`. An
+  example stops when it is at the end or when no live beam, even at the most favourable
+  length, can beat its worst finished one (so stopping early never changes the result).
+  Forced prompt tokens keep only the best beam alive and add nothing to its log-prob.
+
+  Args:
+    inputs: [b, l] int32 decoder inputs: BOS at 0, an optional forced prompt, zeros.
+    cache: the cache for b examples (see the module docstring).
+    tokens_to_logits: the model step; see `DecodingState`.
+    eos_id: end-of-sequence id.
+    num_decodes: static; the beam size k.
+    alpha: brevity-penalty exponent (traceable); 0 ranks by plain log-prob.
+    max_decode_len: static; the output length (default l); inputs are cut or padded.
+    decode_rng: unused (the contract's argument).
+    initial_index: optional [b] int32 position of the last token already in the cache
+      (a prefilled decoder-only prompt); decoding writes from the next position.
+    cache_offset: static; the batch axis of the cache leaves.
+
+  Returns:
+    decodes [b, k, max_decode_len] int32 and scores [b, k] float32, increasing (best
+    last). Slots without a finished sequence have scores <= NEG_INF / penalty; an
+    example with no finished sequence at all returns its live beams and their
+    unpenalised log-probs (T5X).
+  """
+  del decode_rng
+  inputs = _check_inputs(inputs)
+  k = _check_num_decodes(num_decodes, "the beam size")
+  b, l = inputs.shape
+  if max_decode_len is not None:
+    if isinstance(max_decode_len, bool) or not isinstance(max_decode_len, (int, np.integer)) \
+        or max_decode_len < 1:
+      raise UserError(f"max_decode_len={max_decode_len!r} must be an integer >= 1; leave it "
+                      "None to use the length of inputs")
+    l = int(max_decode_len)
+  _check_cache(cache, b, cache_offset)
+  f = b * k
+
+  # [b, l + 1]: BOS, prompt, zeros, and the slot of the last prediction.
+  prompt = jnp.pad(inputs, ((0, 0), (0, 1)))[:, :l + 1]
+  prompt = jnp.pad(prompt, ((0, 0), (0, l + 1 - prompt.shape[1])))
+  if initial_index is None:
+    prompt = prompt.at[:, 0].set(0)
+    index0 = jnp.zeros((b,), jnp.int32)
+  else:
+    index0 = jnp.asarray(initial_index, jnp.int32).reshape(b)
+  alpha = jnp.asarray(alpha, jnp.float32)
+  positions = jnp.arange(l + 1, dtype=jnp.int32)
+
+  def done(s: _BeamState) -> jax.Array:
+    """[b] bool: at the end, or the finished set can no longer change."""
+    # Log-probs only fall as tokens are added, so a live beam's best final score is its
+    # log-prob over the largest penalty it can still reach (any sign of alpha).
+    max_penalty = jnp.maximum(brevity_penalty(alpha, l), brevity_penalty(alpha, s.cur_index + 1))
+    best_live = jnp.max(s.live_log_probs, axis=1) / max_penalty
+    worst_finished = jnp.min(s.finished_scores, axis=1)
+    hopeless = jnp.all(s.finished_flags, axis=1) & (worst_finished > best_live)
+    return (s.cur_index >= l) | hopeless
+
+  def body(s: _BeamState) -> _BeamState:
+    active = ~done(s)  # [b]
+    # [b, k, 1] -> [f, 1]
+    cur_token = jnp.take_along_axis(s.live_seqs, s.cur_index[:, None, None], axis=2)
+    logits, new_cache = tokens_to_logits(DecodingState(
+        cur_index=flat_batch_beam_expand(s.cur_index, k),
+        sequences=s.live_seqs[:, :, :l].reshape(f, l), cur_token=cur_token.reshape(f, 1),
+        cache=s.cache))
+    v = logits.shape[-1]
+    # [b, k, v]: log-prob of every one-token extension of every live beam.
+    log_probs = (jax.nn.log_softmax(logits.astype(jnp.float32)).reshape(b, k, v)
+                 + s.live_log_probs[:, :, None])
+    # Keep 2k candidates so that k survive even if k of them end with EOS: [b, 2k].
+    cand_lp, flat_idx = lax.top_k(log_probs.reshape(b, k * v), 2 * k)
+    cand_beam, cand_tok = flat_idx // v, (flat_idx % v).astype(jnp.int32)
+
+    nxt = jnp.minimum(s.cur_index + 1, l)  # [b]
+    prompt_token = jnp.take_along_axis(prompt, nxt[:, None], axis=1)  # [b, 1]
+    forced = prompt_token != 0  # [b, 1]
+    # Inside the prompt only the best beam continues, with the forced token and its
+    # log-prob unchanged; the other candidates become fillers (T5X).
+    best_beam = jnp.argmax(s.live_log_probs, axis=1)[:, None]
+    prompt_lp = jnp.where(jnp.arange(2 * k) == 0, jnp.max(s.live_log_probs, axis=1)[:, None],
+                          NEG_INF)
+    cand_beam = jnp.where(forced, best_beam, cand_beam)
+    cand_tok = jnp.where(forced, prompt_token, cand_tok)
+    cand_lp = jnp.where(forced, prompt_lp, cand_lp)
+    # [b, 2k, l + 1]
+    cand_seqs = _take_beams(s.live_seqs, cand_beam)
+    cand_seqs = jnp.where(positions == nxt[:, None, None], cand_tok[:, :, None], cand_seqs)
+    # A forced EOS (in a prompt) does not end a beam.
+    cand_ended = (cand_tok == eos_id) & ~forced
+
+    # Live: the best k candidates that did not end. Increasing order, as T5X.
+    live_lp = cand_lp + cand_ended * NEG_INF
+    live_pick = jnp.flip(lax.top_k(live_lp, k)[1], axis=1)  # [b, k]
+    parent = jnp.take_along_axis(cand_beam, live_pick, axis=1)
+    new_cache = _gather_cache_beams(new_cache, parent, cache_offset)
+
+    # Finished: the best k of the old finished and the candidates that just ended.
+    cand_scores = cand_lp / brevity_penalty(alpha, nxt)[:, None] + (~cand_ended) * NEG_INF
+    all_scores = jnp.concatenate([s.finished_scores, cand_scores], axis=1)  # [b, 3k]
+    fin_pick = jnp.flip(lax.top_k(all_scores, k)[1], axis=1)
+    all_seqs = jnp.concatenate([s.finished_seqs, cand_seqs], axis=1)
+    all_flags = jnp.concatenate([s.finished_flags, cand_ended], axis=1)
+
+    # Examples that are done keep their beams while the others continue.
+    keep = lambda new, old: jnp.where(active.reshape((b,) + (1,) * (old.ndim - 1)), new, old)
+    return _BeamState(
+        cur_index=jnp.where(active, nxt, s.cur_index),
+        live_log_probs=keep(jnp.take_along_axis(live_lp, live_pick, axis=1), s.live_log_probs),
+        live_seqs=keep(_take_beams(cand_seqs, live_pick), s.live_seqs),
+        finished_scores=keep(jnp.take_along_axis(all_scores, fin_pick, axis=1),
+                             s.finished_scores),
+        finished_seqs=keep(_take_beams(all_seqs, fin_pick), s.finished_seqs),
+        finished_flags=keep(jnp.take_along_axis(all_flags, fin_pick, axis=1),
+                            s.finished_flags),
+        cache=new_cache)
+
+  init = _BeamState(
+      cur_index=index0,
+      # Only beam 0 is real at first; the others are fillers that never win.
+      live_log_probs=jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), jnp.float32), (b, 1)),
+      live_seqs=jnp.broadcast_to(prompt[:, None, :], (b, k, l + 1)),
+      finished_scores=jnp.full((b, k), NEG_INF, jnp.float32),
+      finished_seqs=jnp.zeros((b, k, l + 1), jnp.int32),
+      finished_flags=jnp.zeros((b, k), bool),
+      cache=_cache_map(lambda x: flat_batch_beam_expand(x, k, cache_offset), cache,
+                       cache_offset))
+  final = lax.while_loop(lambda s: jnp.any(~done(s)), body, init)
+
+  any_finished = jnp.any(final.finished_flags, axis=1)  # [b]
+  seqs = jnp.where(any_finished[:, None, None], final.finished_seqs, final.live_seqs)
+  scores = jnp.where(any_finished[:, None], final.finished_scores, final.live_log_probs)
+  return seqs[:, :, 1:], scores

@@ -1,0 +1,129 @@
+"""Compiled prediction and scoring with decoding options given at call time.
+
+`Predictor(model)` is what the Python API, `t5forge infer` and `t5forge eval` share:
+
+    p = Predictor(model)
+    tokens, scores = p.predict(params, batch, DecodeOptions(method="beam", num_decodes=4))
+    log_likelihoods = p.score(params, batch)
+
+Options that change shapes or code (method, num_decodes, topk, output length) select a
+compiled function; the others (temperature, topp, alpha, max_decode_steps, seed) are
+passed as arrays, so changing them does not recompile.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from t5forge import decoding
+from t5forge.errors import UserError
+
+METHODS = ("greedy", "sample", "beam")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOptions:
+  """How to decode.
+
+  Attributes:
+    method: 'greedy' (temperature 0), 'sample' (temperature / top-k / top-p) or 'beam'.
+    num_decodes: samples or beams per example.
+    temperature, topk, topp: sampling options (topk and topp exclude each other).
+    alpha: beam search brevity-penalty exponent, T5X's ((5 + length) / 6) ** alpha.
+    max_decode_steps: stop after this many new tokens (default: the output length).
+    seed: sampling seed.
+    return_all_decodes: return every sample / beam ([b, n, l], best last).
+  """
+
+  method: str = "greedy"
+  num_decodes: int = 1
+  temperature: float = 1.0
+  topk: int = 0
+  topp: float = 0.0
+  alpha: float = 0.6
+  max_decode_steps: int | None = None
+  seed: int = 0
+  return_all_decodes: bool = False
+
+  def __post_init__(self):
+    if self.method not in METHODS:
+      raise UserError(f"decoding method {self.method!r} is not one of {METHODS}")
+    if self.num_decodes < 1:
+      raise UserError(f"num_decodes (beam size / samples) must be >= 1, got {self.num_decodes}")
+    if self.method == "sample":
+      if self.topk and self.topp:
+        raise UserError("topk and topp exclude each other; set one of them (topk=0 or topp=0)")
+      if self.temperature < 0:
+        raise UserError(f"temperature must be >= 0, got {self.temperature}")
+      if self.topk < 0 or not 0.0 <= self.topp <= 1.0:
+        raise UserError(f"topk must be >= 0 and topp in [0, 1], got {self.topk}, {self.topp}")
+    elif self.method == "greedy" and self.num_decodes != 1:
+      raise UserError("greedy decoding gives one decode; use method 'sample' or 'beam' for "
+                      f"num_decodes={self.num_decodes}")
+    if self.max_decode_steps is not None and self.max_decode_steps < 1:
+      raise UserError(f"max_decode_steps must be >= 1, got {self.max_decode_steps}")
+
+  @classmethod
+  def from_kwargs(cls, **kw) -> "DecodeOptions":
+    """Builds options from the keyword arguments a user passes (`beam_size=4` works too),
+    naming any unknown one."""
+    if "beam_size" in kw:
+      kw.setdefault("method", "beam")
+      kw["num_decodes"] = kw.pop("beam_size")
+    if kw.get("method") is None and any(k in kw for k in ("temperature", "topk", "topp")):
+      kw["method"] = "sample"
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(kw) - fields)
+    if unknown:
+      raise UserError(f"unknown decoding option(s) {unknown}; known: {sorted(fields)}")
+    return cls(**{k: v for k, v in kw.items() if v is not None})
+
+
+class Predictor:
+  """Jitted predict / score functions for one model, compiled once per static setting."""
+
+  def __init__(self, model, *, jit_kwargs: dict | None = None):
+    self.model = model
+    self._jit_kwargs = jit_kwargs or {}
+    self._fns: dict[tuple, Any] = {}
+
+  def _predict_fn(self, opts: DecodeOptions, length: int):
+    key = (opts.method, opts.num_decodes, opts.topk, length, opts.return_all_decodes)
+    if key not in self._fns:
+      model = self.model
+      decode_fn = decoding.beam_search if opts.method == "beam" else decoding.temperature_sample
+
+      def fn(params, batch, rng, traced):
+        if opts.method == "beam":
+          params_ = {"alpha": traced["alpha"]}
+        else:
+          params_ = {"temperature": traced["temperature"], "topk": opts.topk,
+                     "topp": traced["topp"], "max_decode_steps": traced["max_decode_steps"]}
+        return model.predict_batch_with_aux(
+            params, batch, rng, decoder_params=params_, num_decodes=opts.num_decodes,
+            return_all_decodes=opts.return_all_decodes, max_decode_length=length,
+            decode_fn=decode_fn)
+
+      self._fns[key] = jax.jit(fn, **self._jit_kwargs)
+    return self._fns[key]
+
+  def predict(self, params, batch: dict, opts: DecodeOptions, *,
+              max_decode_length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """-> (tokens [b, l] or [b, n, l], scores [b] or [b, n]) as numpy."""
+    length = max_decode_length or batch["decoder_input_tokens"].shape[1]
+    temperature = 0.0 if opts.method == "greedy" else opts.temperature
+    traced = {"temperature": jnp.float32(temperature), "topp": jnp.float32(opts.topp),
+              "alpha": jnp.float32(opts.alpha),
+              "max_decode_steps": jnp.int32(opts.max_decode_steps or length)}
+    tokens, aux = self._predict_fn(opts, length)(params, batch, jax.random.key(opts.seed), traced)
+    return np.asarray(tokens), np.asarray(aux["scores"])
+
+  def score(self, params, batch: dict) -> np.ndarray:
+    """Summed target log-likelihood per example [b]."""
+    if "score" not in self._fns:
+      self._fns["score"] = jax.jit(self.model.score_batch, **self._jit_kwargs)
+    return np.asarray(self._fns["score"](params, batch))
