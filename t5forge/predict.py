@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5forge import decoding
+from t5forge import decoding, multihost
 from t5forge.errors import UserError
 
 METHODS = ("greedy", "sample", "beam")
@@ -120,10 +120,10 @@ class Predictor:
               "alpha": jnp.float32(opts.alpha),
               "max_decode_steps": jnp.int32(opts.max_decode_steps or length)}
     tokens, aux = self._predict_fn(opts, length)(params, batch, jax.random.key(opts.seed), traced)
-    return np.asarray(tokens), np.asarray(aux["scores"])
+    return multihost.to_host(tokens), multihost.to_host(aux["scores"])
 
   def score(self, params, batch: dict) -> np.ndarray:
     """Summed target log-likelihood per example [b]."""
     if "score" not in self._fns:
       self._fns["score"] = jax.jit(self.model.score_batch, **self._jit_kwargs)
-    return np.asarray(self._fns["score"](params, batch))
+    return multihost.to_host(self._fns["score"](params, batch))

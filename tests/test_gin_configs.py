@@ -45,7 +45,22 @@ def test_model_gin_parses_and_matches_its_preset(path):
   assert model.config == want
 
 
-@pytest.mark.parametrize("path", RUN_GINS + EXAMPLE_GINS, ids=lambda p: os.path.relpath(p, CONFIGS))
+TRAIN_RUN_GINS = [p for p in RUN_GINS if os.path.basename(p) in ("pretrain.gin", "finetune.gin")]
+
+
+@pytest.mark.parametrize("path", [p for p in RUN_GINS if p not in TRAIN_RUN_GINS],
+                         ids=lambda p: os.path.relpath(p, CONFIGS))
+def test_eval_and_infer_gins_parse(path):
+  gin_flags.parse([os.path.join(CONFIGS, "models", "t5_1_1", "tiny.gin"), path],
+                  ['CHECKPOINT_PATH="/tmp/unused"', 'EVAL_OUTPUT_DIR="/tmp/unused"',
+                   'INFER_OUTPUT_DIR="/tmp/unused"', "MIXTURE_OR_TASK_NAME='bible_translate_en_es'"])
+  import gin  # pylint: disable=import-outside-toplevel
+  fn = "eval_script.evaluate" if "eval" in path else "infer_script.infer_task"
+  assert gin.query_parameter(f"{fn}.restore_checkpoint_cfg") is not None
+  assert _model_from_gin().config.vocab_size > 0
+
+
+@pytest.mark.parametrize("path", TRAIN_RUN_GINS + EXAMPLE_GINS, ids=lambda p: os.path.relpath(p, CONFIGS))
 def test_run_and_example_gins_parse(path):
   files = [path] if "examples" in path else [path, os.path.join(CONFIGS, "models", "t5_1_1",
                                                                   "tiny.gin")]

@@ -12,7 +12,10 @@ from t5forge.errors import UserError
 
 # command name -> (module, one-line help)
 COMMANDS = {
+    "demo": ("t5forge.cli.demo", "the README's main job: train, evaluate BLEU, show translations"),
     "train": ("t5forge.cli.train", "train with T5X-style gin files (--gin_file, --gin.NAME=VALUE)"),
+    "infer": ("t5forge.cli.infer", "predict or score a task split or a file to JSONL (resumable)"),
+    "eval": ("t5forge.cli.eval", "evaluate checkpoints on a task's metrics"),
     "convert": ("t5forge.cli.convert", "convert checkpoints between HF, T5X and t5forge formats"),
     "vocab": ("t5forge.cli.vocab", "train or inspect SentencePiece vocabularies"),
 }

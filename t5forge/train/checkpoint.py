@@ -13,7 +13,6 @@ initialised fresh if allowed, cast to the model's dtype), else a fresh init.
 """
 from __future__ import annotations
 
-import json
 import re
 from typing import Any, Callable, Sequence
 
@@ -23,6 +22,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
+from t5forge import multihost
 from t5forge.convert import load_checkpoint, native
 from t5forge.errors import UserError
 from t5forge.train.settings import RestoreCheckpointConfig, SaveCheckpointConfig
@@ -116,7 +116,7 @@ class Checkpointer:
   def save(self, step: int, state, *, config_item: dict, data_state: Any = None,
            metrics: dict | None = None) -> None:
     """Starts writing checkpoint_<step> (returns before it is on disk when async)."""
-    data_item = {"num_processes": jax.process_count(), "states": _gather_json(data_state)}
+    data_item = {"num_processes": jax.process_count(), "states": multihost.gather_json(data_state)}
     self._mngr.save(step, args=ocp.args.Composite(**{
         native.PARAMS: ocp.args.StandardSave(state.params),
         OPT_STATE: ocp.args.StandardSave(state.opt_state),
@@ -157,20 +157,6 @@ class Checkpointer:
     self._mngr.close()
 
 
-def _gather_json(obj: Any) -> list:
-  """Every process's JSON-able object, in process order (one collective per call)."""
-  if jax.process_count() == 1:
-    return [obj]
-  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-  raw = np.frombuffer(json.dumps(obj).encode(), np.uint8)
-  lengths = multihost_utils.process_allgather(np.array([raw.size], np.int32))
-  padded = np.zeros(int(lengths.max()), np.uint8)
-  padded[:raw.size] = raw
-  allbufs = multihost_utils.process_allgather(padded)
-  return [json.loads(bytes(allbufs[i][: int(lengths[i][0])]).decode())
-          for i in range(jax.process_count())]
-
-
 def data_state_for_this_process(data_item: dict | None) -> Any:
   """The saved iterator state of this process, or None if it cannot be used."""
   if not data_item or data_item.get("num_processes") != jax.process_count():
@@ -194,6 +180,9 @@ def initial_params(config: RestoreCheckpointConfig, fresh_params: Any, *,
   if config.dtype != "float32":
     raise UserError(f"RestoreCheckpointConfig.dtype={config.dtype!r}: parameters are float32")
   path = config.path
+  if config.mode == "all":
+    raise UserError("RestoreCheckpointConfig.mode='all' is for `t5forge eval`; training "
+                    "starts from one checkpoint: use 'specific' or 'latest'")
   if config.mode == "latest":
     path = native.latest_checkpoint(path) or path
   ckpt = load_checkpoint(path, scan_layers=model_config.scan_layers)

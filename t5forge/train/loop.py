@@ -117,7 +117,8 @@ def train(*, model: BaseModel, model_dir: str, train_dataset_cfg: DatasetConfig,
     train_eval_dataset_cfg: teacher-forced evaluation data, every eval_period steps.
     infer_eval_dataset_cfg / inference_evaluator_cls: decoding evaluation every
       eval_period steps: `inference_evaluator_cls(model=, dataset_cfg=, partitioner=,
-      model_dir=)` returns a callable `fn(params, step) -> scalars`.
+      model_dir=, metric_writer=)` returns a callable `fn(params, step) -> scalars`
+      (evaluate.InferenceEvaluator: decoding + the tasks' metrics).
     eval_steps: batches per train-eval task (None or <= 0: all).
     stats_period: report training metrics every this many steps.
     random_seed: seeds parameter init, dropout (fold_in(seed, step)) and the data order.
@@ -291,7 +292,7 @@ class _Run:
     if infer_eval_cfg is not None and inference_evaluator_cls is not None:
       self.inference_evaluator = inference_evaluator_cls(
           model=self.model, dataset_cfg=infer_eval_cfg, partitioner=self.partitioner,
-          model_dir=self.model_dir)
+          model_dir=self.model_dir, metric_writer=self.writer)
     if record_batch_fingerprints:
       self.fingerprints = open(os.path.join(
           self.model_dir, f"batch_fingerprints.{jax.process_index()}.jsonl"), "a",

@@ -87,7 +87,8 @@ class RestoreCheckpointConfig:
 
   Attributes:
     path: a t5forge checkpoint or MODEL_DIR, an HF directory, or a T5X checkpoint.
-    mode: 'specific' (this checkpoint) or 'latest' (the latest in a MODEL_DIR path).
+    mode: 'specific' (this checkpoint) or 'latest' (the latest in a MODEL_DIR path);
+      `t5forge eval` also takes 'all' (every checkpoint of a MODEL_DIR).
     dtype: parameters are cast to the model's float32 parameters ('float32' only).
     assignment_map: ((regex, replacement or None), ...) applied to each of the model's
       parameter names ('encoder/layers_0/mlp/wi_0/kernel'); the first full match
@@ -107,8 +108,9 @@ class RestoreCheckpointConfig:
   restore_dataset: bool = False  # accepted for T5X gins
 
   def __post_init__(self):
-    if self.mode not in ("specific", "latest"):
-      raise UserError(f"RestoreCheckpointConfig.mode={self.mode!r}: use 'specific' or 'latest'")
+    if self.mode not in ("specific", "latest", "all"):
+      raise UserError(f"RestoreCheckpointConfig.mode={self.mode!r}: use 'specific', 'latest' "
+                      "or 'all' (evaluation only)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,26 @@
+"""Decoding flags shared by `t5forge infer` and `t5forge eval`."""
+from __future__ import annotations
+
+import argparse
+
+from t5forge.predict import DecodeOptions
+
+
+def add(parser: argparse.ArgumentParser) -> None:
+  g = parser.add_argument_group("decoding")
+  g.add_argument("--method", choices=["greedy", "sample", "beam"], default=None,
+                 help="default greedy; 'sample' if a sampling option is given")
+  g.add_argument("--num_decodes", type=int, default=None, help="samples or beams per input")
+  g.add_argument("--beam_size", type=int, default=None, help="beam search with this many beams")
+  g.add_argument("--temperature", type=float, default=None)
+  g.add_argument("--topk", type=int, default=None)
+  g.add_argument("--topp", type=float, default=None)
+  g.add_argument("--alpha", type=float, default=None, help="beam brevity penalty exponent")
+  g.add_argument("--max_decode_steps", type=int, default=None)
+  g.add_argument("--seed", type=int, default=None)
+
+
+def options(args: argparse.Namespace) -> DecodeOptions:
+  kw = {k: getattr(args, k) for k in ("method", "num_decodes", "beam_size", "temperature",
+                                        "topk", "topp", "alpha", "max_decode_steps", "seed")}
+  return DecodeOptions.from_kwargs(**{k: v for k, v in kw.items() if v is not None})

@@ -1,0 +1,64 @@
+"""`t5forge eval`: decode a task's eval split with one, the latest, or all checkpoints and
+compute the task's metrics (T5X's eval.py).
+
+    t5forge eval --checkpoint MODEL_DIR --mode all --task bible_translate_en_es
+    t5forge eval --gin_file=runs/eval.gin --gin.CHECKPOINT_PATH=\\"...\\" ...
+
+Writes <task>-metrics.jsonl, per-example <task>-<step>.jsonl and TensorBoard events to
+--output_dir (default MODEL_DIR/inference_eval). A rerun skips evaluated checkpoints.
+"""
+from __future__ import annotations
+
+import argparse
+
+from t5forge.cli import decode_flags, gin_flags
+
+
+def _lengths(text: str | None):
+  if not text:
+    return None
+  out = {}
+  for part in text.split(","):
+    k, _, v = part.partition("=")
+    out[k.strip()] = int(v)
+  return out
+
+
+def main(argv: list[str]) -> int:
+  if any(a.startswith("--gin") for a in argv):
+    files, bindings, paths, rest = gin_flags.split_flags(argv)
+    if rest:
+      from t5forge.errors import UserError  # pylint: disable=import-outside-toplevel
+      raise UserError(f"unknown flag(s) {rest} with --gin_file; set options as gin bindings")
+    gin_flags.parse(files, bindings, paths)
+    from t5forge import evaluate  # pylint: disable=import-outside-toplevel
+    gin_flags.call(evaluate.evaluate)
+    return 0
+  parser = argparse.ArgumentParser(prog="t5forge eval", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--checkpoint", required=True,
+                      help="a checkpoint, a MODEL_DIR, an HF directory or a T5X checkpoint")
+  parser.add_argument("--mode", choices=["specific", "latest", "all"], default=None,
+                      help="default: 'latest' for a MODEL_DIR, else 'specific'")
+  parser.add_argument("--task", required=True, help="registered task or mixture")
+  parser.add_argument("--split", default="validation")
+  parser.add_argument("--feature_lengths", default=None,
+                      help="e.g. inputs=512,targets=128 (default: the longest example)")
+  parser.add_argument("--batch_size", type=int, default=32)
+  parser.add_argument("--num_examples", type=int, default=None)
+  parser.add_argument("--output_dir", default=None)
+  parser.add_argument("--module", default=None, help="module to import (registers tasks)")
+  decode_flags.add(parser)
+  args = parser.parse_args(argv)
+  from t5forge import evaluate  # pylint: disable=import-outside-toplevel
+  from t5forge.convert import native  # pylint: disable=import-outside-toplevel
+  from t5forge.train.settings import DatasetConfig, RestoreCheckpointConfig  # pylint: disable=import-outside-toplevel
+  mode = args.mode or ("latest" if native.checkpoint_steps(args.checkpoint) else "specific")
+  evaluate.evaluate(
+      dataset_cfg=DatasetConfig(args.task, _lengths(args.feature_lengths), split=args.split,
+                                batch_size=args.batch_size, shuffle=False, pack=False,
+                                module=args.module),
+      restore_checkpoint_cfg=RestoreCheckpointConfig(path=args.checkpoint, mode=mode),
+      output_dir=args.output_dir, decode_options=decode_flags.options(args),
+      num_examples=args.num_examples)
+  return 0

@@ -1,0 +1,95 @@
+"""`t5forge infer`: predict or score a task's split or a file, writing T5X's JSONL.
+
+    t5forge infer --checkpoint MODEL_DIR --input inputs.txt --output_dir out/
+    t5forge infer --checkpoint MODEL_DIR --task bible_translate_en_es --split validation \\
+        --mode predict_with_aux --beam_size 4 --output_dir out/
+    t5forge infer --checkpoint ckpt --input pairs.tsv --mode score --output_dir out/
+    t5forge infer --gin_file=runs/infer.gin --gin.CHECKPOINT_PATH=\"...\" ...  (T5X style)
+
+Files: .tsv (inputs[<TAB>targets]), .jsonl ({"inputs": ..., "targets": ...}) or text
+(one input a line), optionally .gz. The output is written in chunks with .COMPLETED
+markers, so rerunning a killed command resumes it; then merged into one file.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import warnings
+
+from t5forge.cli import decode_flags
+from t5forge.errors import UserError
+
+
+def main(argv: list[str]) -> int:
+  if any(a.startswith("--gin") for a in argv):  # T5X style: runs/infer.gin + bindings
+    from t5forge.cli import gin_flags  # pylint: disable=import-outside-toplevel
+    files, bindings, paths, rest = gin_flags.split_flags(argv)
+    if rest:
+      raise UserError(f"unknown flag(s) {rest} with --gin_file; set options as gin bindings")
+    gin_flags.parse(files, bindings, paths)
+    from t5forge import infer  # pylint: disable=import-outside-toplevel
+    result = gin_flags.call(infer.infer_task)
+    print(f"wrote {result.num_examples} lines to {result.path}")
+    return 0
+  parser = argparse.ArgumentParser(prog="t5forge infer", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--checkpoint", required=True,
+                      help="a checkpoint, a MODEL_DIR (latest), an HF directory or T5X checkpoint")
+  src = parser.add_mutually_exclusive_group(required=True)
+  src.add_argument("--input", help="TSV, JSONL or text file of inputs")
+  src.add_argument("--task", help="registered task (with --split)")
+  parser.add_argument("--split", default="validation")
+  parser.add_argument("--mode", choices=["predict", "predict_with_aux", "score"],
+                      default="predict")
+  parser.add_argument("--output_dir", required=True)
+  parser.add_argument("--name", default=None, help="output name (default: task or file name)")
+  parser.add_argument("--batch_size", type=int, default=32)
+  parser.add_argument("--chunk_size", type=int, default=1024, help="inputs per resumable chunk")
+  parser.add_argument("--max_input_length", type=int, default=None,
+                      help="truncate longer inputs (counted warning), default: longest")
+  parser.add_argument("--max_decode_length", type=int, default=64,
+                      help="tokens to decode; in score mode the longest target kept")
+  parser.add_argument("--strict", action="store_true",
+                      help="refuse inputs longer than --max_input_length instead of truncating")
+  parser.add_argument("--vocabulary", default=None,
+                      help="SentencePiece .model when the checkpoint carries none")
+  parser.add_argument("--module", default=None, help="module to import (registers tasks)")
+  decode_flags.add(parser)
+  args = parser.parse_args(argv)
+  opts = decode_flags.options(args)
+
+  import jax  # pylint: disable=import-outside-toplevel
+  from t5forge import infer, models  # pylint: disable=import-outside-toplevel
+  from t5forge.convert import load_checkpoint  # pylint: disable=import-outside-toplevel
+  from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
+  from t5forge.data.vocab import SentencePieceVocabulary  # pylint: disable=import-outside-toplevel
+  if args.module:
+    __import__(args.module)
+  ckpt = load_checkpoint(args.checkpoint)
+  vocab = (SentencePieceVocabulary(args.vocabulary, extra_ids=100) if args.vocabulary else
+           vocab_io.from_spec(ckpt.extras.get("vocabulary")) if ckpt.format == "t5forge" else
+           vocab_io.from_hf_dir(ckpt.path) if ckpt.format == "hf" else None)
+  if args.task:
+    examples, task = infer.examples_from_task(args.task, args.split)
+    vocab = vocab or task.output_features["targets"].vocabulary
+    name = args.name or args.task
+  else:
+    if vocab is None:
+      raise UserError(f"{args.checkpoint}: no vocabulary saved with the checkpoint; pass "
+                      "--vocabulary path/to/spiece.model")
+    examples = infer.examples_from_file(args.input, vocab, need_targets=args.mode == "score")
+    name = args.name or os.path.basename(args.input).split(".")[0]
+  model = models.model_for(ckpt.config, vocabulary=vocab)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    result = infer.infer(model=model, params=jax.device_put(ckpt.params), examples=examples,
+                         output_dir=args.output_dir, name=name, step=ckpt.step, mode=args.mode,
+                         batch_size=args.batch_size, chunk_size=args.chunk_size,
+                         input_length=args.max_input_length,
+                         target_length=args.max_decode_length, strict=args.strict,
+                         decode_options=opts)
+  for w in caught:
+    print(f"warning: {w.message}")
+  print(f"wrote {result.num_examples} lines to {result.path} ({result.chunks_done_now} of "
+        f"{result.num_chunks} chunks computed now; the rest were done by an earlier run)")
+  return 0

@@ -1,0 +1,277 @@
+"""Inference evaluation: decode (or score) a task's eval split, postprocess, compute the
+task's metrics, and write what T5X / SeqIO write.
+
+For each task, under `output_dir` (MODEL_DIR/inference_eval by default):
+
+    <task>-metrics.jsonl       one line per evaluated step: {"step": s, "bleu": ...}
+    <task>-<step>.jsonl        one line per example: {"inputs": {...}, "prediction": ...,
+                               "target": ..., "prediction_tokens": [...]}
+    <task>/events.out.*        TensorBoard scalars `<task>/<metric>`
+
+`InferenceEvaluator` is also the trainer's infer-eval hook (`inference_evaluator_cls`).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+
+from t5forge import multihost
+from t5forge.errors import UserError
+from t5forge.predict import DecodeOptions, Predictor
+from t5forge.sharding import Partitioner
+
+
+def max_feature_lengths(task, split: str) -> dict[str, int]:
+  """T5X's `task_feature_lengths = None`: the longest example of the split, per feature."""
+  ds = task.get_dataset(None, split, shuffle=False, num_epochs=1)
+  lengths: dict[str, int] = {}
+  for ex in ds:
+    for name in task.output_features:
+      if name in ex:
+        lengths[name] = max(lengths.get(name, 1), len(ex[name]))
+  if not lengths:
+    raise UserError(f"task {task.name!r}: split {split!r} has no examples to evaluate")
+  return lengths
+
+
+def _jsonable(x: Any) -> Any:
+  if isinstance(x, np.ndarray):
+    return x.tolist()
+  if isinstance(x, (np.generic,)):
+    return x.item()
+  if isinstance(x, bytes):
+    return x.decode("utf-8", errors="replace")
+  if isinstance(x, Mapping):
+    return {k: _jsonable(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_jsonable(v) for v in x]
+  return x
+
+
+def _atomic_write_lines(path: str, rows: list[dict]) -> None:
+  tmp = f"{path}.tmp-{os.getpid()}"
+  with open(tmp, "w", encoding="utf-8") as f:
+    for row in rows:
+      f.write(json.dumps(_jsonable(row), ensure_ascii=False) + "\n")
+  os.replace(tmp, path)
+
+
+class InferenceEvaluator:
+  """Evaluates parameters on every task (with metrics) of a mixture's eval split.
+
+  Args:
+    model: an EncoderDecoderModel or DecoderOnlyModel (its vocabulary, or the task's,
+      decodes predictions).
+    dataset_cfg: DatasetConfig: task or mixture, split, global batch size,
+      task_feature_lengths (None: the longest example of the split).
+    partitioner: mesh and rules (default: all devices on 'data').
+    model_dir / output_dir: files go to output_dir, default MODEL_DIR/inference_eval.
+    decode_options: DecodeOptions (default greedy).
+    num_examples: evaluate only the first n examples of each task (None: all).
+    write_predictions: write the per-example `<task>-<step>.jsonl`.
+    metric_writer: a train.metrics.MetricWriter to report through (the trainer's: its
+      TensorBoard dirs and metrics.jsonl); default: own TensorBoard writers.
+  """
+
+  def __init__(self, *, model, dataset_cfg, partitioner: Partitioner | None = None,
+               model_dir: str | None = None, output_dir: str | None = None,
+               decode_options: DecodeOptions | None = None, num_examples: int | None = None,
+               write_predictions: bool = True, metric_writer=None):
+    from t5forge import data  # pylint: disable=import-outside-toplevel
+    if dataset_cfg.module:
+      __import__(dataset_cfg.module)
+    self.model = model
+    self.partitioner = partitioner or Partitioner()
+    self.output_dir = output_dir or os.path.join(model_dir or ".", "inference_eval")
+    self.options = decode_options or DecodeOptions()
+    self.write_predictions = write_predictions
+    self.num_examples = num_examples
+    item = data.get_mixture_or_task(dataset_cfg.mixture_or_task_name)
+    tasks = item.tasks if hasattr(item, "tasks") else [item]
+    tasks = [t for t in tasks if dataset_cfg.split in t.splits and t.metric_fns]
+    if not tasks:
+      raise UserError(f"{dataset_cfg.mixture_or_task_name!r}: no task has a "
+                      f"{dataset_cfg.split!r} split with metric_fns to evaluate")
+    self.partitioner.check_batch_size(int(dataset_cfg.batch_size))
+    per_process = int(dataset_cfg.batch_size) // jax.process_count()
+    self.datasets = {}
+    for task in tasks:
+      lengths = dataset_cfg.task_feature_lengths or max_feature_lengths(task, dataset_cfg.split)
+      kind = model.feature_converter_kind("inputs" in task.output_features)
+      self.datasets[task.name] = data.get_eval_dataset(
+          task.name, lengths, per_process, split=dataset_cfg.split, model_kind=kind,
+          shard_index=jax.process_index(), num_shards=jax.process_count())
+    self.predictor = Predictor(model)
+    self._writers = {}
+    self.metric_writer = metric_writer
+
+  def _vocab(self, task):
+    return self.model.vocabulary or task.output_features["targets"].vocabulary
+
+  def _run_task(self, params, name: str, ds) -> tuple[dict, list]:
+    task = ds.task
+    vocab = self._vocab(task)
+    preds, tokens_out, scores = {}, {}, {}
+    want_predict, want_score = bool(task.predict_metric_fns), bool(task.score_metric_fns)
+    limit = self.num_examples
+    for batch in ds:
+      index = batch["example_index"]
+      feats = {k: v for k, v in batch.items() if not k.startswith("example_")}
+      if limit is not None and index[index >= 0].size and index[index >= 0].min() >= limit:
+        break
+      gbatch = self.partitioner.shard_batch(feats)
+      if want_predict:
+        toks, _ = self.predictor.predict(params, gbatch, self.options)  # global rows
+      if want_score:
+        sc = self.predictor.score(params, gbatch)
+      idx = multihost.gather_rows(index)
+      for r, i in enumerate(idx.tolist()):
+        if i < 0 or (limit is not None and i >= limit):
+          continue
+        if want_predict:
+          row = [int(t) for t in toks[r]]
+          ex = ds.examples[i]
+          preds[i] = task.postprocess(vocab.decode(row), example=ex, is_target=False)
+          tokens_out[i] = row
+        if want_score:
+          scores[i] = float(sc[r])
+    n = ds.num_examples if limit is None else min(limit, ds.num_examples)
+    metrics = {}
+    targets = ds.targets[:n]
+    if want_predict:
+      metrics.update(task.compute_metrics(targets, [preds[i] for i in range(n)]))
+    for fn in task.score_metric_fns:
+      metrics.update(fn(targets, [scores[i] for i in range(n)]))
+    rows = []
+    for i in range(n):
+      ex = ds.examples[i]
+      row = {"inputs": {k: v for k, v in ex.items() if k.endswith("_pretokenized")},
+             "target": targets[i]}
+      if want_predict:
+        row.update(prediction=preds[i], prediction_tokens=tokens_out[i])
+      if want_score:
+        row["score"] = scores[i]
+      rows.append(row)
+    return metrics, rows
+
+  def __call__(self, params, step: int) -> dict[str, float]:
+    """Evaluates every task; returns {'inference_eval/<task>/<metric>': value}."""
+    out = {}
+    chief = jax.process_index() == 0
+    if chief:
+      os.makedirs(self.output_dir, exist_ok=True)
+    for name, ds in self.datasets.items():
+      metrics, rows = self._run_task(params, name, ds)
+      metrics = {k: float(v) for k, v in metrics.items()}
+      out.update({f"inference_eval/{name}/{k}": v for k, v in metrics.items()})
+      if not chief:
+        continue
+      if self.write_predictions:
+        _atomic_write_lines(os.path.join(self.output_dir, f"{name}-{step}.jsonl"), rows)
+      with open(os.path.join(self.output_dir, f"{name}-metrics.jsonl"), "a",
+                encoding="utf-8") as f:
+        f.write(json.dumps({"step": int(step), **metrics}) + "\n")
+      if self.metric_writer is not None:
+        self.metric_writer.write_scalars(step, metrics, subdir=f"inference_eval/{name}")
+      else:
+        writer = self._tensorboard(name)
+        for k, v in metrics.items():
+          writer.add_scalar(f"{name}/{k}", v, step)
+        writer.flush()
+    return out
+
+  def _tensorboard(self, name: str):
+    if name not in self._writers:
+      from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+      self._writers[name] = SummaryWriter(os.path.join(self.output_dir, name))
+    return self._writers[name]
+
+  def evaluated_steps(self) -> dict[str, set[int]]:
+    """Steps already in each task's <task>-metrics.jsonl (to skip them on a rerun)."""
+    done = {}
+    for name in self.datasets:
+      path = os.path.join(self.output_dir, f"{name}-metrics.jsonl")
+      steps = set()
+      if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+          for line in f:
+            if line.strip():
+              steps.add(int(json.loads(line)["step"]))
+      done[name] = steps
+    return done
+
+  def close(self) -> None:
+    for w in self._writers.values():
+      w.close()
+    self._writers = {}
+
+
+def evaluate(*, dataset_cfg, restore_checkpoint_cfg, model=None, output_dir: str | None = None,
+             partitioner: Partitioner | None = None, decode_options: DecodeOptions | None = None,
+             num_examples: int | None = None, vocabulary=None) -> dict[int, dict[str, float]]:
+  """`t5forge eval`: one, the latest, or all checkpoints (T5X's eval.py).
+
+  Args:
+    dataset_cfg: task or mixture, split, batch size, task_feature_lengths (None: max).
+    restore_checkpoint_cfg: path (a checkpoint, a MODEL_DIR, an HF directory or a T5X
+      checkpoint) and mode: 'specific', 'latest' or 'all' (every checkpoint of a
+      MODEL_DIR, skipping steps already in <task>-metrics.jsonl).
+    model: the model (gin's MODEL); default built from the checkpoint's config.
+    output_dir: default <MODEL_DIR>/inference_eval.
+
+  Returns:
+    {step: {"inference_eval/<task>/<metric>": value}} for the checkpoints evaluated now.
+  """
+  from t5forge.convert import load_checkpoint, native  # pylint: disable=import-outside-toplevel
+  from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
+  from t5forge import models  # pylint: disable=import-outside-toplevel
+  path, mode = restore_checkpoint_cfg.path, restore_checkpoint_cfg.mode
+  if not path:
+    raise UserError("no checkpoint to evaluate; set CHECKPOINT_PATH (--checkpoint)")
+  if mode == "all":
+    steps = native.checkpoint_steps(path)
+    if not steps:
+      found = ", ".join(sorted(os.listdir(path))[:6]) if os.path.isdir(path) else "nothing"
+      raise UserError(f"{path}: mode 'all' needs a MODEL_DIR with checkpoint_<step> dirs; "
+                      f"found {found}")
+    paths = [os.path.join(path, f"{native.CHECKPOINT_PREFIX}{s}") for s in steps]
+  elif mode == "latest":
+    latest = native.latest_checkpoint(path)
+    if latest is None:
+      raise UserError(f"{path}: no complete checkpoint_<step> directory to evaluate")
+    paths = [latest]
+  else:
+    paths = [path]
+  model_dir = os.path.dirname(paths[0].rstrip("/")) if native.is_native_checkpoint(paths[0]) \
+      else paths[0]
+  output_dir = output_dir or os.path.join(model_dir, "inference_eval")
+  evaluator, results = None, {}
+  try:
+    for ckpt_path in paths:
+      ckpt = load_checkpoint(ckpt_path)
+      if model is None:
+        vocab = vocabulary or (vocab_io.from_spec(ckpt.extras.get("vocabulary"))
+                               if ckpt.format == "t5forge" else
+                               vocab_io.from_hf_dir(ckpt.path) if ckpt.format == "hf" else None)
+        model = models.model_for(ckpt.config, vocabulary=vocab)
+      if evaluator is None:
+        evaluator = InferenceEvaluator(model=model, dataset_cfg=dataset_cfg,
+                                       partitioner=partitioner, output_dir=output_dir,
+                                       decode_options=decode_options, num_examples=num_examples)
+        done = evaluator.evaluated_steps()
+      if all(ckpt.step in s for s in done.values()):
+        print(f"step {ckpt.step}: already evaluated ({output_dir}); skipped")
+        continue
+      params = jax.device_put(ckpt.params)
+      with evaluator.partitioner.activation_context():
+        results[ckpt.step] = evaluator(params, ckpt.step)
+      shown = ", ".join(f"{k.split('/', 1)[1]} = {v:.4g}" for k, v in results[ckpt.step].items())
+      print(f"step {ckpt.step}: {shown}")
+  finally:
+    if evaluator is not None:
+      evaluator.close()
+  return results

@@ -1,0 +1,299 @@
+"""Batch inference to JSONL as T5X writes it: resumable in chunks, sharded over hosts.
+
+Inputs come from a registered task's split or from a file (TSV: inputs[<TAB>targets];
+JSONL: {"inputs": ..., "targets": ...}; text: one input a line). Output, in output_dir:
+
+    <name>-<step>.jsonl-00003-of-00010              a finished chunk
+    <name>-<step>.jsonl-00003-of-00010.COMPLETED    written after the chunk is whole
+    <name>-<step>.jsonl                             all chunks merged, in input order
+
+A rerun skips chunks that have a COMPLETED marker, so a killed job loses no line and
+repeats none. With several processes, chunk k belongs to process k % process_count;
+process 0 merges once every chunk is complete. Lines (T5X's format):
+
+    predict:          {"inputs": {"inputs_pretokenized": ...}, "prediction": ..., "prediction_tokens": [...]}
+    predict_with_aux: the same plus "aux": {"scores": ...}
+    score:            {"inputs": {...}, "targets": ..., "score": ...}
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import gzip
+import json
+import os
+import warnings
+from typing import Any, Iterator
+
+import jax
+import numpy as np
+
+from t5forge import multihost
+from t5forge.errors import UserError
+from t5forge.predict import DecodeOptions, Predictor
+from t5forge.sharding import Partitioner
+
+MODES = ("predict", "predict_with_aux", "score")
+
+
+@dataclasses.dataclass
+class Example:
+  """One input: its tokens, optional target tokens, and the text to echo back."""
+
+  inputs: list[int]
+  targets: list[int] | None
+  pretokenized: dict[str, Any]
+  where: str  # file:line or task:index, for messages
+
+
+def _open_text(path: str):
+  return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+
+
+def _lines(path: str) -> Iterator[tuple[int, str]]:
+  if not os.path.isfile(path):
+    raise UserError(f"{path}: input file not found")
+  with _open_text(path) as f:
+    for n, raw in enumerate(f, start=1):
+      try:
+        yield n, raw.decode("utf-8").rstrip("\r\n")
+      except UnicodeDecodeError as e:
+        raise UserError(f"{path}:{n}: not valid UTF-8 ({e.reason} at byte {e.start}); "
+                        "convert the file to UTF-8") from None
+
+
+def read_file(path: str) -> list[dict[str, str]]:
+  """Rows {'inputs': str, 'targets'?: str} of a TSV, JSONL or text file (optionally .gz)."""
+  name = path[:-3] if path.endswith(".gz") else path
+  rows = []
+  for n, line in _lines(path):
+    if not line.strip():
+      continue
+    if name.endswith(".jsonl") or name.endswith(".json"):
+      try:
+        obj = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise UserError(f"{path}:{n}: not a JSON object ({e.msg}); one object per line") from None
+      if not isinstance(obj, dict) or "inputs" not in obj:
+        raise UserError(f"{path}:{n}: each line needs an \"inputs\" field")
+      rows.append({k: str(v) for k, v in obj.items() if k in ("inputs", "targets")})
+    elif name.endswith(".tsv"):
+      fields = line.split("\t")
+      if len(fields) > 2:
+        raise UserError(f"{path}:{n}: {len(fields)} tab-separated fields; expected inputs or "
+                        "inputs<TAB>targets")
+      rows.append(dict(zip(("inputs", "targets"), fields)))
+    else:
+      rows.append({"inputs": line})
+  if not rows:
+    raise UserError(f"{path}: no inputs (the file is empty); give at least one line")
+  return rows
+
+
+def examples_from_file(path: str, vocabulary, *, need_targets: bool) -> list[Example]:
+  rows = read_file(path)
+  out = []
+  for n, row in enumerate(rows):
+    if need_targets and "targets" not in row:
+      raise UserError(f"{path}: scoring needs targets: row {n + 1} has none (TSV: inputs<TAB>"
+                      "targets; JSONL: a \"targets\" field)")
+    targets = vocabulary.encode(row["targets"]) + [vocabulary.eos_id] if "targets" in row else None
+    pre = {"inputs_pretokenized": row["inputs"]}
+    if "targets" in row:
+      pre["targets_pretokenized"] = row["targets"]
+    out.append(Example(vocabulary.encode(row["inputs"]) + [vocabulary.eos_id], targets, pre,
+                       f"{path}:{n + 1}"))
+  return out
+
+
+def examples_from_task(name: str, split: str) -> tuple[list[Example], Any]:
+  """A task's split as examples (preprocessed, untrimmed), and the task."""
+  from t5forge import data  # pylint: disable=import-outside-toplevel
+  task = data.get_mixture_or_task(name)
+  if not hasattr(task, "output_features"):
+    raise UserError(f"{name!r} is a mixture; infer one of its tasks")
+  out = []
+  for i, ex in enumerate(task.get_dataset(None, split, shuffle=False, num_epochs=1)):
+    pre = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in ex.items()
+           if k.endswith("_pretokenized")}
+    targets = [int(t) for t in ex["targets"]] if "targets" in ex else None
+    out.append(Example([int(t) for t in ex["inputs"]], targets, pre, f"{name}:{split}:{i}"))
+  if not out:
+    raise UserError(f"task {name!r} split {split!r} has no examples")
+  return out, task
+
+
+def _fit(ids: list[int], length: int, eos: int) -> list[int]:
+  return ids if len(ids) <= length else ids[:length - 1] + [eos]
+
+
+def _batch(examples: list[Example], *, encoder_decoder: bool, input_length: int,
+           target_length: int, eos: int, rows: int) -> dict[str, np.ndarray]:
+  """Model features for a (padded) list of examples; rows >= len(examples)."""
+  if encoder_decoder:
+    b = {"encoder_input_tokens": np.zeros((rows, input_length), np.int32),
+         "decoder_input_tokens": np.zeros((rows, target_length), np.int32),
+         "decoder_target_tokens": np.zeros((rows, target_length), np.int32)}
+    for r, ex in enumerate(examples):
+      x = _fit(ex.inputs, input_length, eos)
+      b["encoder_input_tokens"][r, :len(x)] = x
+      if ex.targets is not None:
+        y = _fit(ex.targets, target_length, eos)
+        b["decoder_target_tokens"][r, :len(y)] = y
+        b["decoder_input_tokens"][r, 1:len(y)] = y[:-1]
+    return b
+  # Decoder-only: prefix-LM rows [0, inputs..., targets...]; the inputs are the prompt.
+  width = input_length + target_length
+  b = {k: np.zeros((rows, width), np.int32) for k in (
+      "decoder_input_tokens", "decoder_target_tokens", "decoder_causal_attention")}
+  b["decoder_loss_weights"] = np.zeros((rows, width), np.float32)
+  for r, ex in enumerate(examples):
+    x = _fit(ex.inputs, input_length, eos)
+    y = _fit(ex.targets, target_length, eos) if ex.targets is not None else []
+    seq = x + y
+    b["decoder_target_tokens"][r, :len(seq)] = seq
+    b["decoder_input_tokens"][r, 1:len(seq)] = seq[:-1]
+    b["decoder_causal_attention"][r, :len(x) + 1] = 1
+    b["decoder_loss_weights"][r, len(x):len(seq)] = 1
+  return b
+
+
+@dataclasses.dataclass
+class InferResult:
+  path: str
+  num_examples: int
+  truncated: int
+  chunks_done_now: int
+  num_chunks: int = 0
+
+
+def infer(*, model, params, examples: list[Example], output_dir: str, name: str, step: int,
+          mode: str = "predict", batch_size: int = 32, chunk_size: int = 1024,
+          input_length: int | None = None, target_length: int = 64, strict: bool = False,
+          decode_options: DecodeOptions | None = None,
+          partitioner: Partitioner | None = None) -> InferResult:
+  """Runs inference over `examples`, chunk by chunk, resumably (see the module doc).
+
+  Args:
+    input_length: inputs longer than this many tokens are truncated (EOS kept) with a
+      counted warning, or refused when `strict`; default the longest input.
+    target_length: tokens to decode (predict) or the longest target kept (score).
+  """
+  if mode not in MODES:
+    raise UserError(f"--mode {mode!r}: choose one of {MODES}")
+  if mode == "score" and any(ex.targets is None for ex in examples):
+    raise UserError("score mode needs targets for every input")
+  vocab = model.vocabulary
+  eos = vocab.eos_id if vocab is not None else 1
+  longest = max(len(ex.inputs) for ex in examples)
+  input_length = input_length or longest
+  too_long = [ex for ex in examples if len(ex.inputs) > input_length]
+  if too_long and strict:
+    raise UserError(f"{too_long[0].where}: input has {len(too_long[0].inputs)} tokens, more than "
+                    f"the input length {input_length} (--strict); raise --max_input_length or "
+                    "drop --strict to truncate")
+  partitioner = partitioner or Partitioner()
+  partitioner.check_batch_size(batch_size)
+  predictor = Predictor(model)
+  opts = decode_options or DecodeOptions()
+  os.makedirs(output_dir, exist_ok=True)
+  base = os.path.join(output_dir, f"{name}-{step}.jsonl")
+  n_chunks = max(1, -(-len(examples) // chunk_size))
+  if os.path.exists(base) and not glob.glob(f"{base}-*.COMPLETED"):
+    return InferResult(base, len(examples), 0, 0, n_chunks)  # merged by an earlier run
+  done_now = 0
+  for k in range(jax.process_index(), n_chunks, jax.process_count()):
+    chunk_path = f"{base}-{k:05d}-of-{n_chunks:05d}"
+    if os.path.exists(chunk_path + ".COMPLETED"):
+      continue  # finished by an earlier run
+    chunk = examples[k * chunk_size:(k + 1) * chunk_size]
+    lines = []
+    for start in range(0, len(chunk), batch_size):
+      part = chunk[start:start + batch_size]
+      batch = _batch(part, encoder_decoder=model.config.is_encoder_decoder,
+                     input_length=input_length, target_length=target_length, eos=eos,
+                     rows=batch_size)
+      # One process: the batch is split over all devices. Several: each process infers
+      # its own chunks on its own devices, with no collective in the loop.
+      gbatch = partitioner.shard_batch(batch) if jax.process_count() == 1 else batch
+      if mode == "score":
+        scores = predictor.score(params, gbatch)
+        for r, ex in enumerate(part):
+          lines.append({"inputs": ex.pretokenized, "score": float(scores[r])})
+        continue
+      tokens, scores = predictor.predict(params, gbatch, opts, max_decode_length=target_length)
+      for r, ex in enumerate(part):
+        toks = [int(t) for t in tokens[r]]
+        cut = toks[:toks.index(eos) + 1] if eos in toks else toks
+        row = {"inputs": ex.pretokenized,
+               "prediction": vocab.decode(cut) if vocab is not None else None,
+               "prediction_tokens": cut}
+        if mode == "predict_with_aux":
+          row["aux"] = {"scores": float(scores[r])}
+        lines.append(row)
+    tmp = f"{chunk_path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+      for row in lines:
+        f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    os.replace(tmp, chunk_path)
+    with open(chunk_path + ".COMPLETED", "w", encoding="utf-8") as f:
+      f.write("")
+    done_now += 1
+  multihost.sync("t5forge_infer_chunks")
+  if jax.process_index() == 0:
+    _merge(base, n_chunks)
+  multihost.sync("t5forge_infer_merged")
+  if too_long:
+    warnings.warn(f"{len(too_long)} of {len(examples)} inputs were longer than {input_length} "
+                  "tokens and were truncated (--strict refuses them)", stacklevel=2)
+  return InferResult(base, len(examples), len(too_long), done_now, n_chunks)
+
+
+def _merge(base: str, n_chunks: int) -> None:
+  parts = [f"{base}-{k:05d}-of-{n_chunks:05d}" for k in range(n_chunks)]
+  missing = [p for p in parts if not os.path.exists(p + ".COMPLETED")]
+  if missing:
+    raise UserError(f"cannot merge {base}: chunk {missing[0]} is not complete; rerun to finish it")
+  tmp = f"{base}.tmp-{os.getpid()}"
+  with open(tmp, "w", encoding="utf-8") as out:
+    for p in parts:
+      with open(p, encoding="utf-8") as f:
+        out.write(f.read())
+  os.replace(tmp, base)
+  for p in parts:  # the marker first: a chunk without its marker is simply redone
+    os.remove(p + ".COMPLETED")
+    os.remove(p)
+  for stale in glob.glob(f"{base}-*.tmp-*"):
+    os.remove(stale)
+
+
+def infer_task(*, dataset_cfg, restore_checkpoint_cfg, output_dir: str, model=None,
+               mode: str = "predict", partitioner: Partitioner | None = None,
+               decode_options: DecodeOptions | None = None, chunk_size: int = 1024,
+               strict: bool = False) -> InferResult:
+  """T5X's infer.py through gin: a task's split (dataset_cfg), a checkpoint
+  (restore_checkpoint_cfg.path; mode 'latest' for a MODEL_DIR), JSONL to output_dir.
+  Feature lengths come from dataset_cfg.task_feature_lengths (None: the longest)."""
+  from t5forge import models  # pylint: disable=import-outside-toplevel
+  from t5forge.convert import load_checkpoint, native  # pylint: disable=import-outside-toplevel
+  from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
+  if dataset_cfg.module:
+    __import__(dataset_cfg.module)
+  path = restore_checkpoint_cfg.path
+  if restore_checkpoint_cfg.mode == "latest":
+    path = native.latest_checkpoint(path) or path
+  ckpt = load_checkpoint(path)
+  examples, task = examples_from_task(dataset_cfg.mixture_or_task_name, dataset_cfg.split)
+  vocab = (vocab_io.from_spec(ckpt.extras.get("vocabulary")) if ckpt.format == "t5forge" else
+           vocab_io.from_hf_dir(ckpt.path) if ckpt.format == "hf" else None)
+  vocab = vocab or task.output_features["targets"].vocabulary
+  if model is None:
+    model = models.model_for(ckpt.config, vocabulary=vocab)
+  elif model.vocabulary is None:  # a model gin's VOCABULARY = None: the checkpoint's / task's
+    model.vocabulary = vocab
+  lengths = dict(dataset_cfg.task_feature_lengths or {})
+  return infer(model=model, params=jax.device_put(ckpt.params), examples=examples,
+               output_dir=output_dir, name=dataset_cfg.mixture_or_task_name, step=ckpt.step,
+               mode=mode, batch_size=int(dataset_cfg.batch_size), chunk_size=chunk_size,
+               input_length=lengths.get("inputs"), target_length=lengths.get("targets", 64),
+               strict=strict, decode_options=decode_options, partitioner=partitioner)

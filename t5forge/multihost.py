@@ -1,0 +1,54 @@
+"""Small collectives between processes (no-ops with one process).
+
+Rows of a global batch are laid out process by process (process 0's rows first), which
+is how `Partitioner.shard_batch` builds them; `gather_rows` restores that order on every
+process.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def is_chief() -> bool:
+  return jax.process_index() == 0
+
+
+def to_host(x) -> np.ndarray:
+  """A (possibly multi-process) global array -> the full numpy array on every process."""
+  if jax.process_count() == 1 or isinstance(x, np.ndarray) or x.is_fully_addressable:
+    return np.asarray(x)
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def gather_rows(local: np.ndarray) -> np.ndarray:
+  """This process's rows [b_local, ...] -> every process's rows [b_local * n, ...]."""
+  if jax.process_count() == 1:
+    return np.asarray(local)
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  return np.asarray(multihost_utils.process_allgather(np.asarray(local), tiled=True))
+
+
+def gather_json(obj: Any) -> list:
+  """Every process's JSON-able object, in process order (collectives on all processes)."""
+  if jax.process_count() == 1:
+    return [obj]
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  raw = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+  lengths = multihost_utils.process_allgather(np.array([raw.size], np.int32))
+  padded = np.zeros(int(np.max(lengths)), np.uint8)
+  padded[:raw.size] = raw
+  bufs = multihost_utils.process_allgather(padded)
+  return [json.loads(bytes(bufs[i][: int(np.ravel(lengths[i])[0])]).decode())
+          for i in range(jax.process_count())]
+
+
+def sync(name: str) -> None:
+  """A barrier: every process reaches this point before any continues."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+    multihost_utils.sync_global_devices(name)
