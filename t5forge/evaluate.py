@@ -266,7 +266,7 @@ def evaluate(*, dataset_cfg, restore_checkpoint_cfg, model=None, output_dir: str
       if all(ckpt.step in s for s in done.values()):
         print(f"step {ckpt.step}: already evaluated ({output_dir}); skipped")
         continue
-      params = jax.device_put(ckpt.params)
+      params = evaluator.partitioner.place(jax.tree.map(np.asarray, ckpt.params))
       with evaluator.partitioner.activation_context():
         results[ckpt.step] = evaluator(params, ckpt.step)
       shown = ", ".join(f"{k.split('/', 1)[1]} = {v:.4g}" for k, v in results[ckpt.step].items())

@@ -52,3 +52,33 @@ def sync(name: str) -> None:
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
     multihost_utils.sync_global_devices(name)
+
+
+def initialize(*, coordinator_address: str | None = None, process_count: int | None = None,
+               process_index: int | None = None, heartbeat_timeout_seconds: int = 30,
+               initialization_timeout: int = 300) -> None:
+  """Joins JAX's multi-controller runtime (`jax.distributed`).
+
+  With an explicit coordinator address, process count and index (T5X's flags) the
+  processes meet there; without them JAX detects the cluster itself (SLURM, Kubernetes
+  / GKE, TPU VMs, Open MPI). On CPU, collectives between processes go over gloo. A
+  process that stops sending heartbeats for `heartbeat_timeout_seconds` makes the others
+  fail with an error instead of waiting forever.
+  """
+  from t5forge.errors import UserError  # pylint: disable=import-outside-toplevel
+  explicit = (coordinator_address, process_count, process_index)
+  if any(x is not None for x in explicit) and not all(x is not None for x in explicit):
+    raise UserError("--coordinator_address, --process_count and --process_index go together; "
+                    "give all three, or none to let JAX detect the cluster")
+  if jax.config.jax_platforms in (None, "", "cpu") or "cpu" in str(jax.config.jax_platforms):
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  try:
+    jax.distributed.initialize(coordinator_address=coordinator_address,
+                               num_processes=process_count, process_id=process_index,
+                               initialization_timeout=initialization_timeout,
+                               heartbeat_timeout_seconds=heartbeat_timeout_seconds)
+  except (ValueError, RuntimeError) as e:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    raise UserError(f"could not start the multi-process runtime ({first}); check "
+                    "--coordinator_address (host:port reachable from every process), "
+                    "--process_count and --process_index") from None

@@ -134,12 +134,47 @@ class Partitioner:
   def sharding(self, logical_axes, *, what: str = "array"):
     return jax.sharding.NamedSharding(self.mesh, self.mesh_axes(logical_axes, what=what))
 
-  def tree_shardings(self, axes_tree, *, prefix: str = ""):
-    """A tree of logical axes (tuples / PartitionSpecs) -> a tree of NamedShardings."""
-    def one(path, spec):
-      return self.sharding(spec, what=prefix + jax.tree_util.keystr(path))
+  def tree_shardings(self, axes_tree, *, prefix: str = "", shapes=None):
+    """A tree of logical axes (tuples / PartitionSpecs) -> a tree of NamedShardings.
 
-    return jax.tree_util.tree_map_with_path(one, axes_tree, is_leaf=is_axes)
+    Args:
+      shapes: optional tree of arrays / ShapeDtypeStructs like axes_tree. A dimension
+        that its mesh axes do not divide (e.g. 6 heads on a model axis of 4) is then
+        replicated instead: JAX cannot place uneven shards, and a run should not fail
+        for one small parameter.
+    """
+    def one(path, spec, shape=None):
+      what = prefix + jax.tree_util.keystr(path)
+      mesh_spec = self.mesh_axes(spec, what=what)
+      if shape is not None:
+        mesh_spec = self.divisible(mesh_spec, tuple(shape.shape))
+      return jax.sharding.NamedSharding(self.mesh, mesh_spec)
+
+    if shapes is None:
+      return jax.tree_util.tree_map_with_path(one, axes_tree, is_leaf=is_axes)
+    return jax.tree_util.tree_map_with_path(one, axes_tree, shapes, is_leaf=is_axes)
+
+  def divisible(self, spec, shape: tuple[int, ...]):
+    """Drops mesh axes from dims they do not divide (those dims are replicated)."""
+    out = []
+    for i, entry in enumerate(tuple(spec) + (None,) * (len(shape) - len(spec))):
+      axes = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+      size = _prod(self.mesh.shape[a] for a in axes)
+      out.append(entry if size <= 1 or shape[i] % size == 0 else None)
+    return jax.sharding.PartitionSpec(*out)
+
+  def place(self, tree, shardings=None):
+    """Host (numpy) arrays present on every process -> global arrays with the given
+    shardings (default: replicated). Works with one or several processes."""
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    if shardings is None:
+      shardings = jax.tree.map(lambda _: self.replicated(), tree)
+
+    def one(x, sharding):
+      x = np.asarray(x)
+      return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+    return jax.tree.map(one, tree, shardings)
 
   def replicated(self):
     return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())

@@ -28,6 +28,39 @@ def _usage() -> str:
   return "\n".join(lines)
 
 
+# T5X's flags for several processes; accepted by every command.
+_MULTIHOST_FLAGS = ("--multiprocess", "--coordinator_address", "--process_count",
+                    "--process_index", "--heartbeat_timeout_seconds")
+
+
+def _pop_multihost_flags(argv: list[str]) -> tuple[list[str], dict | None]:
+  """Removes the multi-process flags from argv; returns their values (None: not asked)."""
+  rest, values, asked = [], {}, False
+  i = 0
+  while i < len(argv):
+    name, eq, value = argv[i].partition("=")
+    if name in _MULTIHOST_FLAGS:
+      asked = True
+      if name != "--multiprocess":
+        if not eq:
+          if i + 1 >= len(argv):
+            raise UserError(f"{name} needs a value")
+          value, i = argv[i + 1], i + 1
+        values[name[2:]] = value
+    else:
+      rest.append(argv[i])
+    i += 1
+  if not asked:
+    return rest, None
+  try:
+    for key in ("process_count", "process_index", "heartbeat_timeout_seconds"):
+      if key in values:
+        values[key] = int(values[key])
+  except ValueError as e:
+    raise UserError(f"multi-process flag: {e}") from None
+  return rest, values
+
+
 def main(argv: list[str] | None = None) -> None:
   argv = list(sys.argv[1:] if argv is None else argv)
   if not argv or argv[0] in ("-h", "--help", "help"):
@@ -38,8 +71,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"t5forge: error: unknown command {name!r}; choose one of: {', '.join(COMMANDS)}",
           file=sys.stderr)
     sys.exit(2)
-  module = importlib.import_module(COMMANDS[name][0])
   try:
+    rest, multihost_flags = _pop_multihost_flags(rest)
+    if multihost_flags is not None:
+      from t5forge import multihost  # pylint: disable=import-outside-toplevel
+      multihost.initialize(**multihost_flags)
+    module = importlib.import_module(COMMANDS[name][0])
     code = module.main(rest)
   except UserError as e:
     # gin appends "In call to configurable ..." lines; the first line is the message.

@@ -101,7 +101,11 @@ def load(path: str, *, abstract_params=None) -> tuple[ModelConfig, dict, dict]:
   config = ModelConfig.from_dict(meta["model"], source=os.path.join(path, CONFIG))
   if abstract_params is None:
     from t5forge.nn import abstract_params as _abstract  # pylint: disable=import-outside-toplevel
-    abstract_params = _abstract(config)
+    # Place on this process's first device: a checkpoint written by another mesh or
+    # process count restores anywhere once the target says where.
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    abstract_params = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), _abstract(config))
   try:
     restored = ckpt.restore(path, ocp.args.Composite(**{
         PARAMS: ocp.args.StandardRestore(abstract_params)}))

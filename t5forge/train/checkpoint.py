@@ -158,10 +158,18 @@ class Checkpointer:
 
 
 def data_state_for_this_process(data_item: dict | None) -> Any:
-  """The saved iterator state of this process, or None if it cannot be used."""
-  if not data_item or data_item.get("num_processes") != jax.process_count():
+  """The saved iterator state of this process, or None if it cannot be used.
+
+  In 'rows' shard mode every process's iterator reads the same global stream, so the
+  states are equal and any process count can continue from the first one."""
+  if not data_item:
     return None
   states = data_item.get("states") or []
+  if states and all(s == states[0] for s in states) and (
+      (states[0] or {}).get("pipeline", {}).get("shard") == [0, 1]):
+    return states[0]
+  if data_item.get("num_processes") != jax.process_count():
+    return None
   return states[jax.process_index()] if jax.process_index() < len(states) else None
 
 

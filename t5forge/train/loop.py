@@ -43,6 +43,7 @@ class TrainResult:
   train_metrics: dict
   eval_metrics: dict
   stopped: str  # 'total_steps', 'early_stopping', 'preempted', 'nothing_to_do'
+  state: TrainState | None = None  # the final (sharded) train state
 
 
 def _prepare_model_dir(model_dir: str | None) -> str:
@@ -156,7 +157,8 @@ def _loop(run: "_Run", *, eval_period, stats_period, stopper, run_eval_before_tr
   """The training loop: step, report, evaluate, checkpoint; nothing waits on the device
   except reports (every stats_period) and the one-step-late finiteness check."""
   step, total = run.start, run.total_steps
-  progress = metrics_lib.Progress(start=step, total=total, enabled=run.is_chief and show_progress)
+  progress = metrics_lib.Progress(start=step, total=total, enabled=run.is_chief and show_progress,
+                                  chief=run.is_chief)
   window, window_start, hook_seconds = [], None, 0.0  # step time excludes hooks
   last_train, last_eval, stopped, pending_ok = {}, {}, "total_steps", None
   if run_eval_before_training:
@@ -196,7 +198,7 @@ def _loop(run: "_Run", *, eval_period, stats_period, stopper, run_eval_before_tr
         break
   _check_finite(pending_ok, step, run.checkpointer)
   progress.close()
-  return TrainResult(step, last_train, last_eval, stopped)
+  return TrainResult(step, last_train, last_eval, stopped, run.state)
 
 
 class _Run:
@@ -230,17 +232,25 @@ class _Run:
     if self.model.vocabulary is None:  # T5X's VOCABULARY = None: the task's vocabulary
       self.model.vocabulary = vocab
     self.shard_index, self.num_shards = self.partitioner.host_batch_slice(self.global_batch)
+    self.shard_rows = cfg.shard_mode == "rows"
+    # 'rows': read the global batch, keep this process's rows; 'examples': read a shard.
+    reader_shards = (0, 1) if self.shard_rows else (self.shard_index, self.num_shards)
     self.train_iter = data.get_batches(
-        cfg.mixture_or_task_name, cfg.task_feature_lengths, self.global_batch // self.num_shards,
+        cfg.mixture_or_task_name, cfg.task_feature_lengths,
+        self.global_batch if self.shard_rows else self.global_batch // self.num_shards,
         split=cfg.split, model_kind=self.model_kind, pack=cfg.pack, shuffle=cfg.shuffle,
-        seed=self.seed if cfg.seed is None else int(cfg.seed), shard_index=self.shard_index,
-        num_shards=self.num_shards, num_workers=cfg.num_workers)
+        seed=self.seed if cfg.seed is None else int(cfg.seed), shard_index=reader_shards[0],
+        num_shards=reader_shards[1], num_workers=cfg.num_workers)
 
   def next_batch(self, step: int) -> dict:
     batch = next(self.train_iter)
     if self.fingerprints:
       self.fingerprints.write(json.dumps({"step": step, "crc": _crc(batch)}) + "\n")
       self.fingerprints.flush()  # survives a SIGKILL
+    if self.shard_rows and self.num_shards > 1:
+      rows = self.global_batch // self.num_shards
+      batch = {k: v[self.shard_index * rows:(self.shard_index + 1) * rows]
+               for k, v in batch.items()}
     return self.partitioner.shard_batch(batch)
 
   # -- stage 2: optimizer, shardings, state -------------------------------------------------
@@ -254,8 +264,11 @@ class _Run:
     self.abstract_opt = jax.eval_shape(tx.init, self.abstract_params)
     self.opt_axes = optimizer.state_axes(self.abstract_opt, self.abstract_params, self.param_axes)
     self.shardings = TrainState(
-        step=part.replicated(), params=part.tree_shardings(self.param_axes, prefix="params"),
-        opt_state=part.tree_shardings(self.opt_axes, prefix="opt_state"))
+        step=part.replicated(),
+        params=part.tree_shardings(self.param_axes, prefix="params",
+                                   shapes=self.abstract_params),
+        opt_state=part.tree_shardings(self.opt_axes, prefix="opt_state",
+                                      shapes=self.abstract_opt))
     self.checkpointer = ckpt_lib.Checkpointer(self.model_dir,
                                               checkpoint_cfg.save or SaveCheckpointConfig())
     # Outside the activation context: initialisation places parameters by out_shardings.

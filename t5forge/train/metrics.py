@@ -111,8 +111,9 @@ class MetricWriter:
 class Progress:
   """A terminal progress bar: step, loss, tokens/s and ETA (tqdm), on process 0."""
 
-  def __init__(self, *, start: int, total: int, enabled: bool = True):
+  def __init__(self, *, start: int, total: int, enabled: bool = True, chief: bool = True):
     self._bar = None
+    self._chief = chief
     if enabled:
       from tqdm import tqdm  # pylint: disable=import-outside-toplevel
       self._bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True,
@@ -129,7 +130,7 @@ class Progress:
   def write(self, msg: str) -> None:
     if self._bar is not None:
       self._bar.write(msg)
-    else:
+    elif self._chief:
       print(msg, flush=True)
 
   def close(self) -> None:

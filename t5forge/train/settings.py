@@ -28,6 +28,12 @@ class DatasetConfig:
     module: a Python module to import first, to register tasks (T5X's
       MIXTURE_OR_TASK_MODULE).
     num_workers: Grain worker processes for preprocessing.
+    shard_mode: how processes split the data. 'rows' (default): every process reads
+      the whole (shuffled, packed) stream and takes its rows of each global batch, so
+      the batches, and the training, are the same on any number of processes and a
+      checkpoint resumes exactly on another process count; preprocessing is repeated
+      on every process. 'examples': each process reads every n-th example (SeqIO's
+      sharding): no repeated work, but the batches depend on the process count.
   """
 
   mixture_or_task_name: str
@@ -41,6 +47,11 @@ class DatasetConfig:
   module: str | None = None
   num_workers: int = 0
   use_custom_packing_ops: bool = False  # T5X/TF only; accepted and ignored
+  shard_mode: str = "rows"
+
+  def __post_init__(self):
+    if self.shard_mode not in ("rows", "examples"):
+      raise UserError(f"DatasetConfig.shard_mode={self.shard_mode!r}: use 'rows' or 'examples'")
 
 
 @dataclasses.dataclass(frozen=True)
