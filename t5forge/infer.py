@@ -19,18 +19,18 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import gzip
 import json
 import os
 import warnings
-from typing import Any, Iterator
+from typing import Any
 
 import jax
 import numpy as np
 
 from t5forge import multihost
 from t5forge.errors import UserError
-from t5forge.predict import DecodeOptions, Predictor
+from t5forge.data import files
+from t5forge.predict import DecodeOptions, Predictor, features_from_tokens
 from t5forge.sharding import Partitioner
 
 MODES = ("predict", "predict_with_aux", "score")
@@ -46,27 +46,13 @@ class Example:
   where: str  # file:line or task:index, for messages
 
 
-def _open_text(path: str):
-  return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
-
-
-def _lines(path: str) -> Iterator[tuple[int, str]]:
-  if not os.path.isfile(path):
-    raise UserError(f"{path}: input file not found")
-  with _open_text(path) as f:
-    for n, raw in enumerate(f, start=1):
-      try:
-        yield n, raw.decode("utf-8").rstrip("\r\n")
-      except UnicodeDecodeError as e:
-        raise UserError(f"{path}:{n}: not valid UTF-8 ({e.reason} at byte {e.start}); "
-                        "convert the file to UTF-8") from None
-
-
 def read_file(path: str) -> list[dict[str, str]]:
   """Rows {'inputs': str, 'targets'?: str} of a TSV, JSONL or text file (optionally .gz)."""
   name = path[:-3] if path.endswith(".gz") else path
+  if not os.path.isfile(path):
+    raise UserError(f"{path}: input file not found")
   rows = []
-  for n, line in _lines(path):
+  for n, line in files.iter_lines(path):
     if not line.strip():
       continue
     if name.endswith(".jsonl") or name.endswith(".json"):
@@ -123,41 +109,6 @@ def examples_from_task(name: str, split: str) -> tuple[list[Example], Any]:
   return out, task
 
 
-def _fit(ids: list[int], length: int, eos: int) -> list[int]:
-  return ids if len(ids) <= length else ids[:length - 1] + [eos]
-
-
-def _batch(examples: list[Example], *, encoder_decoder: bool, input_length: int,
-           target_length: int, eos: int, rows: int) -> dict[str, np.ndarray]:
-  """Model features for a (padded) list of examples; rows >= len(examples)."""
-  if encoder_decoder:
-    b = {"encoder_input_tokens": np.zeros((rows, input_length), np.int32),
-         "decoder_input_tokens": np.zeros((rows, target_length), np.int32),
-         "decoder_target_tokens": np.zeros((rows, target_length), np.int32)}
-    for r, ex in enumerate(examples):
-      x = _fit(ex.inputs, input_length, eos)
-      b["encoder_input_tokens"][r, :len(x)] = x
-      if ex.targets is not None:
-        y = _fit(ex.targets, target_length, eos)
-        b["decoder_target_tokens"][r, :len(y)] = y
-        b["decoder_input_tokens"][r, 1:len(y)] = y[:-1]
-    return b
-  # Decoder-only: prefix-LM rows [0, inputs..., targets...]; the inputs are the prompt.
-  width = input_length + target_length
-  b = {k: np.zeros((rows, width), np.int32) for k in (
-      "decoder_input_tokens", "decoder_target_tokens", "decoder_causal_attention")}
-  b["decoder_loss_weights"] = np.zeros((rows, width), np.float32)
-  for r, ex in enumerate(examples):
-    x = _fit(ex.inputs, input_length, eos)
-    y = _fit(ex.targets, target_length, eos) if ex.targets is not None else []
-    seq = x + y
-    b["decoder_target_tokens"][r, :len(seq)] = seq
-    b["decoder_input_tokens"][r, 1:len(seq)] = seq[:-1]
-    b["decoder_causal_attention"][r, :len(x) + 1] = 1
-    b["decoder_loss_weights"][r, len(x):len(seq)] = 1
-  return b
-
-
 @dataclasses.dataclass
 class InferResult:
   path: str
@@ -210,9 +161,10 @@ def infer(*, model, params, examples: list[Example], output_dir: str, name: str,
     lines = []
     for start in range(0, len(chunk), batch_size):
       part = chunk[start:start + batch_size]
-      batch = _batch(part, encoder_decoder=model.config.is_encoder_decoder,
-                     input_length=input_length, target_length=target_length, eos=eos,
-                     rows=batch_size)
+      batch = features_from_tokens([ex.inputs for ex in part], [ex.targets for ex in part],
+                                   encoder_decoder=model.config.is_encoder_decoder,
+                                   input_length=input_length, target_length=target_length,
+                                   eos=eos, rows=batch_size)
       # One process: the batch is split over all devices. Several: each process infers
       # its own chunks on its own devices, with no collective in the loop.
       gbatch = partitioner.shard_batch(batch) if jax.process_count() == 1 else batch

@@ -29,7 +29,7 @@ from t5forge import presets
 from t5forge.convert import LoadedCheckpoint, hf, load_checkpoint, native
 from t5forge.errors import UserError
 from t5forge.nn.config import ModelConfig
-from t5forge.predict import DecodeOptions, Predictor
+from t5forge.predict import DecodeOptions, Predictor, features_from_tokens
 
 # Text batches are padded to a multiple of this many tokens, so that a handful of
 # compiled shapes serve any input.
@@ -207,29 +207,14 @@ class Model:
   def _text_batch(self, inputs, targets, max_length):
     if len(inputs) != len(targets):
       raise UserError(f"{len(inputs)} inputs but {len(targets)} targets; pass one target each")
-    enc, _ = self._encode_texts(inputs, max_length)
-    tgt, _ = self._encode_texts(targets, max_length)
-    if self.config.is_encoder_decoder:
-      return {"encoder_input_tokens": enc, "decoder_target_tokens": tgt,
-              "decoder_input_tokens": np.pad(tgt[:, :-1], ((0, 0), (1, 0))),
-              "decoder_loss_weights": (tgt > 0).astype(np.float32)}
-    # Decoder-only: prefix-LM rows, inputs then targets, loss on the targets.
-    rows = []
-    for i in range(len(inputs)):
-      x = [t for t in enc[i] if t]
-      y = [t for t in tgt[i] if t]
-      rows.append((x, y))
-    width = -(-max(len(x) + len(y) for x, y in rows) // _LENGTH_BUCKET) * _LENGTH_BUCKET
-    batch = {k: np.zeros((len(rows), width), np.int32) for k in (
-        "decoder_target_tokens", "decoder_input_tokens", "decoder_causal_attention")}
-    batch["decoder_loss_weights"] = np.zeros((len(rows), width), np.float32)
-    for i, (x, y) in enumerate(rows):
-      seq = x + y
-      batch["decoder_target_tokens"][i, :len(seq)] = seq
-      batch["decoder_input_tokens"][i, 1:len(seq)] = seq[:-1]
-      batch["decoder_causal_attention"][i, :len(x) + 1] = 1
-      batch["decoder_loss_weights"][i, len(x):len(seq)] = 1
-    return batch
+    x, _ = self._encode_texts(inputs, max_length)
+    y, _ = self._encode_texts(targets, max_length)
+    xs = [[t for t in row if t] for row in x]
+    ys = [[t for t in row if t] for row in y]
+    return features_from_tokens(xs, ys, encoder_decoder=self.config.is_encoder_decoder,
+                                input_length=x.shape[1], target_length=y.shape[1],
+                                eos=self.vocabulary.eos_id if self.vocabulary else 1,
+                                rows=len(xs))
 
   def score(self, inputs, targets, *, batch_size: int = 32,
             max_length: int | None = None) -> np.ndarray:

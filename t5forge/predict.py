@@ -25,6 +25,47 @@ from t5forge.errors import UserError
 METHODS = ("greedy", "sample", "beam")
 
 
+def _fit(ids: list[int], length: int, eos: int) -> list[int]:
+  return ids if len(ids) <= length else ids[:length - 1] + [eos]
+
+
+def features_from_tokens(inputs: list[list[int]], targets: list[list[int] | None], *,
+                         encoder_decoder: bool, input_length: int, target_length: int,
+                         eos: int, rows: int) -> dict[str, np.ndarray]:
+  """Model features [rows, ...] for token lists (inputs and targets end with EOS);
+  rows >= len(inputs), extra rows are padding. Longer sequences are cut, EOS kept.
+
+  Encoder-decoder rows are SeqIO's unpacked features. Decoder-only rows are prefix-LM
+  rows [0, inputs..., targets...] with the inputs as the bidirectional prompt and the
+  loss on the targets."""
+  if encoder_decoder:
+    b = {"encoder_input_tokens": np.zeros((rows, input_length), np.int32),
+         "decoder_input_tokens": np.zeros((rows, target_length), np.int32),
+         "decoder_target_tokens": np.zeros((rows, target_length), np.int32)}
+    for r, (xs, ys) in enumerate(zip(inputs, targets)):
+      x = _fit(xs, input_length, eos)
+      b["encoder_input_tokens"][r, :len(x)] = x
+      if ys is not None:
+        y = _fit(ys, target_length, eos)
+        b["decoder_target_tokens"][r, :len(y)] = y
+        b["decoder_input_tokens"][r, 1:len(y)] = y[:-1]
+    return b
+  # Decoder-only: prefix-LM rows [0, inputs..., targets...]; the inputs are the prompt.
+  width = input_length + target_length
+  b = {k: np.zeros((rows, width), np.int32) for k in (
+      "decoder_input_tokens", "decoder_target_tokens", "decoder_causal_attention")}
+  b["decoder_loss_weights"] = np.zeros((rows, width), np.float32)
+  for r, (xs, ys) in enumerate(zip(inputs, targets)):
+    x = _fit(xs, input_length, eos)
+    y = _fit(ys, target_length, eos) if ys is not None else []
+    seq = x + y
+    b["decoder_target_tokens"][r, :len(seq)] = seq
+    b["decoder_input_tokens"][r, 1:len(seq)] = seq[:-1]
+    b["decoder_causal_attention"][r, :len(x) + 1] = 1
+    b["decoder_loss_weights"][r, len(x):len(seq)] = 1
+  return b
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeOptions:
   """How to decode.
