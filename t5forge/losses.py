@@ -6,6 +6,7 @@ Shape letters: b batch, t target length, v vocab.
 from __future__ import annotations
 
 import enum
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -86,6 +87,64 @@ def _cross_entropy_bwd(res, g):
 cross_entropy_with_logits.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def token_cross_entropy(logits: jax.Array, targets: jax.Array, z_loss: float,
+                        confidence: float = 1.0, low_confidence: float = 0.0
+                        ) -> tuple[jax.Array, jax.Array]:
+  """`cross_entropy_with_logits` against integer targets, without a one-hot array.
+
+  The soft target puts `confidence` on the target class and `low_confidence` on every
+  other class (label smoothing); the loss and its gradient are computed from the
+  target's logit and row statistics, so no [b, t, v] target array is ever built.
+
+  Args:
+    logits: [b, t, v] float32.
+    targets: [b, t] int class indices.
+    z_loss: coefficient of the log-normaliser penalty.
+    confidence / low_confidence: soft-target mass on / off the target class.
+
+  Returns:
+    (loss [b, t] including the z-loss, z-loss [b, t]).
+  """
+  return _token_cross_entropy_fwd(logits, targets, z_loss, confidence, low_confidence)[0]
+
+
+def _token_cross_entropy_fwd(logits, targets, z_loss, confidence, low_confidence):
+  # Two passes over [b, t, v] (max, then sum of exp); nothing of that size is written.
+  # The backward pass recomputes exp(logits - max) instead of keeping it: that costs
+  # an exp but saves writing and re-reading one [b, t, v] array.
+  max_logit = logits.max(axis=-1, keepdims=True)
+  shifted = logits - max_logit
+  log_sum_exp = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1))  # [b, t]
+  target_shifted = jnp.take_along_axis(shifted, targets[..., None].astype(jnp.int32),
+                                       axis=-1)[..., 0]
+  # sum_v soft_v * log_softmax_v, split into the target term and the uniform term.
+  loss = -(confidence - low_confidence) * (target_shifted - log_sum_exp)
+  if low_confidence:
+    vocab_size = logits.shape[-1]
+    loss = loss - low_confidence * (jnp.sum(shifted, axis=-1) - vocab_size * log_sum_exp)
+  log_z = log_sum_exp + max_logit[..., 0]
+  total_z_loss = z_loss * jax.lax.square(log_z)
+  return (loss + total_z_loss, total_z_loss), (logits, targets, max_logit, log_sum_exp, log_z)
+
+
+def _token_cross_entropy_bwd(z_loss, confidence, low_confidence, res, g):
+  g = g[0]  # the z-loss output is for logging only
+  logits, targets, max_logit, log_sum_exp, log_z = res
+  # (1 + 2 z log Z) softmax - soft targets, as `_cross_entropy_bwd`, in one fused pass.
+  sum_exp = jnp.exp(log_sum_exp)[..., None]
+  vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+  soft = jnp.where(vocab_ids == targets[..., None].astype(jnp.int32),
+                   jnp.float32(confidence - low_confidence) + jnp.float32(low_confidence),
+                   jnp.float32(low_confidence))
+  deriv = (jnp.expand_dims(1 + 2 * z_loss * log_z, -1) * jnp.exp(logits - max_logit) / sum_exp
+           - soft)
+  return jnp.expand_dims(g, -1) * deriv, None
+
+
+token_cross_entropy.defvjp(_token_cross_entropy_fwd, _token_cross_entropy_bwd)
+
+
 def compute_weighted_cross_entropy(logits: jax.Array, targets: jax.Array,
                                    weights: jax.Array | None = None, *,
                                    label_smoothing: float = 0.0, z_loss: float = 0.0,
@@ -107,9 +166,8 @@ def compute_weighted_cross_entropy(logits: jax.Array, targets: jax.Array,
   low_confidence = (1.0 - confidence) / (vocab_size - 1)
   normalizing_constant = -(confidence * np.log(confidence) + (vocab_size - 1) * low_confidence
                            * np.log(low_confidence + 1e-20))
-  soft_targets = jax.nn.one_hot(targets, vocab_size, dtype=logits.dtype) * (
-      confidence - low_confidence) + low_confidence
-  total_loss, total_z_loss = cross_entropy_with_logits(logits, soft_targets, z_loss)
+  total_loss, total_z_loss = token_cross_entropy(logits, targets, float(z_loss),
+                                                 float(confidence), float(low_confidence))
   total_loss = total_loss - normalizing_constant
   weight_sum = jnp.asarray(np.prod(targets.shape), jnp.float32)
   if weights is not None:

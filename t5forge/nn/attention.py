@@ -6,6 +6,7 @@ additive biases that are summed with the relative position bias `[1, h, q, k]`.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -14,7 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from t5forge import sharding as ax
-from t5forge.nn.layers import Dense, param_with_axes
+from t5forge.nn import matmul
+from t5forge.nn.layers import Dense, Kernel, param_with_axes
 
 # Added to the logits of masked positions. Large and finite so that a fully masked row
 # gives a uniform (not NaN) softmax, as in T5X; representable in bfloat16.
@@ -80,8 +82,33 @@ class RelativePositionBias(nn.Module):
     buckets = relative_position_bucket(memory - context, bidirectional=self.bidirectional,
                                        num_buckets=self.num_buckets,
                                        max_distance=self.max_distance)  # [q, k]
-    bias = jnp.take(rel_embedding, buckets, axis=1)  # [h, q, k]
+    bias = bucket_lookup(rel_embedding, buckets)  # [h, q, k]
     return bias[None].astype(self.dtype)
+
+
+@jax.custom_vjp
+def bucket_lookup(table: jax.Array, buckets: jax.Array) -> jax.Array:
+  """table [h, n] and int buckets [q, k] -> table[:, buckets] [h, q, k].
+
+  The gradient of a gather is a scatter-add, which XLA:CPU runs element by element
+  (and, for a bias shared by all layers, only after summing every layer's [h, q, k]
+  gradient in a transposed layout). A one-hot matmul computes the same sums.
+  """
+  return jnp.take(table, buckets, axis=1)
+
+
+def _bucket_lookup_fwd(table, buckets):
+  return jnp.take(table, buckets, axis=1), (buckets, table.shape[1])
+
+
+def _bucket_lookup_bwd(res, g):
+  buckets, n = res
+  h = g.shape[0]
+  one_hot = jax.nn.one_hot(buckets.reshape(-1), n, dtype=g.dtype)  # [q * k, n]
+  return jnp.dot(g.reshape(h, -1), one_hot), None  # [h, n]
+
+
+bucket_lookup.defvjp(_bucket_lookup_fwd, _bucket_lookup_bwd)
 
 
 def padding_mask(query_valid: jax.Array | None, key_valid: jax.Array) -> jax.Array:
@@ -159,17 +186,27 @@ class MultiHeadAttention(nn.Module):
     kernel_init = nn.initializers.variance_scaling(1.0, "fan_in", "normal")
     # T5X scales the query initialisation by 1/sqrt(head_dim) instead of the logits.
     query_init = lambda *a: kernel_init(*a) / math.sqrt(d)  # noqa: E731
-    proj = lambda name, init: Dense(h * d, (ax.EMBED, ax.JOINED_KV), dtype=self.dtype,  # noqa: E731
-                                    kernel_init=init, name=name)
-    q = proj("query", query_init)(inputs_q).reshape(*inputs_q.shape[:-1], h, d)  # [b, q, h, d]
-    q = nn.with_logical_constraint(q, (ax.BATCH, ax.LENGTH, ax.ACT_HEADS, ax.ACT_KV))
+    fused_qkv = decode is None and inputs_kv is inputs_q
+    kernel = lambda name, init, x: Kernel(h * d, (ax.EMBED, ax.JOINED_KV), kernel_init=init,  # noqa: E731
+                                          name=name)(x.shape[-1]).astype(self.dtype)
+    heads = lambda y, x: nn.with_logical_constraint(  # noqa: E731
+        y.reshape(*x.shape[:-1], h, d), (ax.BATCH, ax.LENGTH, ax.ACT_HEADS, ax.ACT_KV))
 
     def project_kv(x):
-      k = proj("key", kernel_init)(x).reshape(*x.shape[:-1], h, d)  # [b, k, h, d]
-      v = proj("value", kernel_init)(x).reshape(*x.shape[:-1], h, d)  # [b, k, h, d]
-      return (nn.with_logical_constraint(k, (ax.BATCH, ax.LENGTH, ax.ACT_HEADS, ax.ACT_KV)),
-              nn.with_logical_constraint(v, (ax.BATCH, ax.LENGTH, ax.ACT_HEADS, ax.ACT_KV)))
+      # [b, k, e] -> k, v [b, k, h, d]
+      kk, kv = kernel("key", kernel_init, x), kernel("value", kernel_init, x)
+      k, v = matmul.dense_multi(x.astype(self.dtype), [kk, kv])
+      return heads(k, x), heads(v, x)
 
+    kq = kernel("query", query_init, inputs_q)
+    if fused_qkv:
+      # Self-attention: one [e, 3 h d] product for the query, key and value projections.
+      q, k, v = matmul.dense_multi(inputs_q.astype(self.dtype),
+                                   [kq, kernel("key", kernel_init, inputs_q),
+                                    kernel("value", kernel_init, inputs_q)])
+      q, k, v = heads(q, inputs_q), heads(k, inputs_q), heads(v, inputs_q)  # [b, l, h, d]
+    else:
+      q = heads(matmul.dense(inputs_q.astype(self.dtype), kq), inputs_q)  # [b, q, h, d]
     if decode == "cross":
       # The encoder output is fixed during decoding: project it once into the cache.
       if self.has_variable("cache", "cached_key"):
@@ -190,7 +227,7 @@ class MultiHeadAttention(nn.Module):
         ck.value = jax.lax.dynamic_update_slice(ck.value, k_new, (zero, cache_index, zero, zero))
         cv.value = jax.lax.dynamic_update_slice(cv.value, v_new, (zero, cache_index, zero, zero))
       k, v = ck.value, cv.value  # [b, max_length, h, d]
-    else:
+    elif not fused_qkv:
       k, v = project_kv(inputs_kv)
 
     out = dot_product_attention(q, k, v, bias, mask_bias, dropout_rate=self.dropout_rate,
@@ -218,12 +255,72 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Ar
   """
   if float32_logits:
     q, k = q.astype(jnp.float32), k.astype(jnp.float32)
+  keep = None
+  if not deterministic and dropout_rate > 0.0:
+    shape = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])  # [b, h, q, k]
+    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, shape)
+  return _attention(q, k, v, bias, mask_bias, keep, dropout_rate)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _attention(q, k, v, bias, mask_bias, keep, dropout_rate):
+  """The attention core with a hand-written backward pass (see `_attention_bwd`)."""
+  return _attention_fwd(q, k, v, bias, mask_bias, keep, dropout_rate)[0]
+
+
+def _attention_fwd(q, k, v, bias, mask_bias, keep, dropout_rate):
   logits = jnp.einsum("bqhd,bkhd->bhqk", q, k)  # [b, h, q, k]
   for b in (bias, mask_bias):
     if b is not None:
       logits = logits + b.astype(logits.dtype)
-  weights = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(v.dtype)
-  if not deterministic and dropout_rate > 0.0:
-    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
-    weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0).astype(v.dtype)
-  return jnp.einsum("bhqk,bkhd->bqhd", weights, v)  # [b, q, h, d]
+  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # [b, h, q, k] float32
+  weights = _dropped(probs.astype(v.dtype), keep, dropout_rate)
+  out = jnp.einsum("bhqk,bkhd->bqhd", weights, v)  # [b, q, h, d]
+  return out, (q, k, v, bias, mask_bias, keep, probs, out)
+
+
+def _dropped(weights, keep, rate):
+  if keep is None:
+    return weights
+  return jnp.where(keep, weights / (1.0 - rate), 0.0).astype(weights.dtype)
+
+
+def _sum_to_shape(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """Sums x over the axes that `shape` broadcasts (size 1), keeping them."""
+  axes = tuple(i for i, (n, m) in enumerate(zip(shape, x.shape)) if n == 1 and m != 1)
+  return jnp.sum(x, axis=axes, keepdims=True) if axes else x
+
+
+def _attention_bwd(dropout_rate, res, dout):
+  """What autodiff computes, in fewer passes over the [b, h, q, k] arrays.
+
+  The softmax backward needs rowsum(probs * d_probs); it equals rowsum(dout * out) over
+  the head dimension (FlashAttention's identity), a pass over [b, q, h, d] instead of
+  one over [b, h, q, k]. In bfloat16 `out` is rounded, so there the rowsum is taken
+  over the float32 probabilities as autodiff does.
+  """
+  q, k, v, bias, mask_bias, keep, probs, out = res
+  weights = _dropped(probs.astype(v.dtype), keep, dropout_rate)
+  dv = jnp.einsum("bhqk,bqhd->bkhd", weights, dout.astype(v.dtype))  # [b, k, h, d]
+  d_weights = jnp.einsum("bqhd,bkhd->bhqk", dout.astype(v.dtype), v).astype(jnp.float32)
+  d_probs = _dropped(d_weights, keep, dropout_rate)  # [b, h, q, k]
+  if out.dtype == jnp.float32:
+    delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32), out)[..., None]
+  else:
+    delta = jnp.sum(probs * d_probs, axis=-1, keepdims=True)
+  d_logits = probs * (d_probs - delta)  # [b, h, q, k] float32
+  dq = jnp.einsum("bhqk,bkhd->bqhd", d_logits.astype(q.dtype), k)
+  dk = jnp.einsum("bhqk,bqhd->bkhd", d_logits.astype(q.dtype), q)
+  d_bias = d_mask = None
+  if bias is not None:
+    # The bias is shared by every layer of a stack. Left alone, XLA defers this
+    # reduction to the end and sums all layers' [b, h, q, k] gradients in one slow
+    # fusion (keeping them all alive); the barrier reduces each layer's right here.
+    d_bias = jax.lax.optimization_barrier(
+        _sum_to_shape(d_logits, bias.shape).astype(bias.dtype))
+  if mask_bias is not None:
+    d_mask = _sum_to_shape(d_logits, mask_bias.shape).astype(mask_bias.dtype)
+  return dq, dk, dv.astype(v.dtype), d_bias, d_mask, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from t5forge import sharding as ax
+from t5forge.nn import matmul
 
 Initializer = Callable[..., jax.Array]
 
@@ -103,7 +104,21 @@ class Dense(nn.Module):
     # x: [..., in] -> [..., out]
     kernel = param_with_axes(self, "kernel", self.kernel_init, (x.shape[-1], self.features),
                              self.kernel_axes)
-    return jnp.dot(x.astype(self.dtype), kernel.astype(self.dtype))
+    return matmul.dense(x.astype(self.dtype), kernel.astype(self.dtype))
+
+
+class Kernel(nn.Module):
+  """The [in, out] kernel of a `Dense` layer (same parameter), for callers that multiply
+  several kernels at once (see `matmul.dense_multi`)."""
+
+  features: int
+  kernel_axes: tuple[str, str]
+  kernel_init: Initializer = default_kernel_init
+
+  @nn.compact
+  def __call__(self, in_features: int) -> jax.Array:
+    return param_with_axes(self, "kernel", self.kernel_init, (in_features, self.features),
+                           self.kernel_axes)
 
 
 class MlpBlock(nn.Module):
@@ -118,9 +133,13 @@ class MlpBlock(nn.Module):
   def __call__(self, x: jax.Array, deterministic: bool) -> jax.Array:
     # x: [b, l, d]
     branches = []
-    for i, act in enumerate(self.activations):
-      name = "wi" if len(self.activations) == 1 else f"wi_{i}"
-      h = Dense(self.intermediate_dim, (ax.EMBED, ax.MLP), dtype=self.dtype, name=name)(x)
+    names = (["wi"] if len(self.activations) == 1
+             else [f"wi_{i}" for i in range(len(self.activations))])
+    # The gated branches share their input: one matmul on the concatenated kernels.
+    kernels = [Kernel(self.intermediate_dim, (ax.EMBED, ax.MLP), name=n)(x.shape[-1])
+               for n in names]
+    hs = matmul.dense_multi(x.astype(self.dtype), [k.astype(self.dtype) for k in kernels])
+    for act, h in zip(self.activations, hs):
       branches.append(activation(act)(h))  # [b, l, f]
     h = branches[0]
     for other in branches[1:]:

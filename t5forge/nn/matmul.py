@@ -1,0 +1,82 @@
+"""Projections with a hand-written backward pass, shaped for XLA:CPU's matmul kernels.
+
+`dense(x, kernel)` computes x @ kernel exactly as `jnp.dot` does; what differs is the
+backward pass. Autodiff asks for the kernel gradient as x^T @ dy, a dot that contracts
+the leading (token) axis of both operands. XLA:CPU's fast matmul library (YNNPACK)
+takes a transposed right-hand side but not a transposed left-hand side, so XLA either
+falls back to a slower kernel or copies the largest operand (often the [tokens, vocab]
+logits gradient) into transposed layout. Here the smaller of x and dy is transposed
+explicitly (behind an optimization barrier, so that XLA cannot fold the transpose back
+into the dot), and every dot is a plain [m, k] x [k, n] or [m, k] x [n, k] product.
+
+`dense_multi(x, kernels)` applies several kernels to one input (query/key/value, the
+two gated MLP branches) as one matmul on the concatenated kernels: one large product
+keeps both cores busier than several small ones, and the backward pass needs one
+transpose of x and one dx product instead of one per kernel.
+
+The results equal those of `jnp.dot` up to float32 rounding (accumulation order).
+
+Shape letters: n tokens (all leading axes flattened), i input features, o output features.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def _dot(a: jax.Array, b: jax.Array, a_axis: int, b_axis: int) -> jax.Array:
+  """Contracts a's axis a_axis with b's axis b_axis (2-D operands)."""
+  return lax.dot_general(a, b, (((a_axis,), (b_axis,)), ((), ())))
+
+
+def _transposed(a: jax.Array) -> jax.Array:
+  # The barrier keeps the transpose as a materialised array: without it XLA folds it
+  # into the consuming dot, which then contracts a leading axis again.
+  return lax.optimization_barrier(a.T)
+
+
+def _kernel_grad(x2: jax.Array, dy2: jax.Array) -> jax.Array:
+  """x2^T @ dy2 for x2 [n, i], dy2 [n, o] -> [i, o], transposing the smaller operand."""
+  if x2.shape[1] <= dy2.shape[1]:
+    return jnp.dot(_transposed(x2), dy2)  # [i, n] x [n, o]
+  return jnp.dot(_transposed(dy2), x2).T  # ([o, n] x [n, i])^T, a small transpose
+
+
+@jax.custom_vjp
+def _dense2d(x2: jax.Array, kernel: jax.Array) -> jax.Array:
+  return jnp.dot(x2, kernel)  # [n, i] x [i, o] -> [n, o]
+
+
+def _dense2d_fwd(x2, kernel):
+  return jnp.dot(x2, kernel), (x2, kernel)
+
+
+def _dense2d_bwd(res, dy2):
+  x2, kernel = res
+  dx2 = _dot(dy2, kernel, 1, 1)  # [n, o] x [i, o] -> [n, i]
+  return dx2.astype(x2.dtype), _kernel_grad(x2, dy2).astype(kernel.dtype)
+
+
+_dense2d.defvjp(_dense2d_fwd, _dense2d_bwd)
+
+
+def dense(x: jax.Array, kernel: jax.Array) -> jax.Array:
+  """x [..., i] @ kernel [i, o] -> [..., o] (operands already in the compute dtype)."""
+  lead = x.shape[:-1]
+  y = _dense2d(x.reshape(-1, x.shape[-1]), kernel)
+  return y.reshape(*lead, kernel.shape[-1])
+
+
+def dense_multi(x: jax.Array, kernels: Sequence[jax.Array]) -> list[jax.Array]:
+  """[x @ k for k in kernels] as one matmul on the kernels concatenated along o."""
+  if len(kernels) == 1:
+    return [dense(x, kernels[0])]
+  sizes = [k.shape[-1] for k in kernels]
+  y = dense(x, jnp.concatenate(kernels, axis=-1))  # [..., sum(o)]
+  offsets = [0]
+  for s in sizes:
+    offsets.append(offsets[-1] + s)
+  return [y[..., a:b] for a, b in zip(offsets[:-1], offsets[1:])]
