@@ -260,14 +260,22 @@ class Model:
             "step": int(state.step)}
 
   # -- saving -------------------------------------------------------------------------------
+  def _refuse_int8(self, what: str) -> None:
+    if self.config.weight_dtype != "float32":
+      raise UserError(f"{what}: this model was loaded with weight_dtype="
+                      f"{self.config.weight_dtype!r}; load it without weight_dtype to save "
+                      "full-precision weights")
+
   def save(self, path: str) -> None:
     """Writes a t5forge checkpoint directory (orbax), with the vocabulary."""
     from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
+    self._refuse_int8("save")
     native.save(path, self.config, self.params,
                 extra_config={"vocabulary": vocab_io.to_spec(self.vocabulary)})
 
   def save_hf(self, path: str) -> None:
     """Writes an HF directory that `T5ForConditionalGeneration.from_pretrained` loads."""
+    self._refuse_int8("save_hf")
     tok_dir = self.checkpoint.path if self.checkpoint and self.checkpoint.format == "hf" else None
     hf.save_hf(jax.tree.map(np.asarray, self.params), self.config, path, tokenizer_dir=tok_dir)
 

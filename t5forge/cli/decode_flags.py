@@ -18,6 +18,17 @@ def add(parser: argparse.ArgumentParser) -> None:
   g.add_argument("--alpha", type=float, default=None, help="beam brevity penalty exponent")
   g.add_argument("--max_decode_steps", type=int, default=None)
   g.add_argument("--seed", type=int, default=None)
+  r = parser.add_argument_group("runtime (how the checkpoint is run, not what it holds)")
+  r.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                 help="activation dtype (default: the checkpoint's)")
+  r.add_argument("--weight_dtype", choices=["float32", "int8"], default=None,
+                 help="int8: weight-only int8 projection kernels, quantised on load")
+
+
+def runtime_overrides(args: argparse.Namespace) -> dict:
+  """`load_checkpoint` overrides from --dtype / --weight_dtype."""
+  return {k: getattr(args, k) for k in ("dtype", "weight_dtype")
+          if getattr(args, k, None) is not None}
 
 
 def options(args: argparse.Namespace) -> DecodeOptions:

@@ -20,7 +20,7 @@ from t5forge.cli import gin_flags
 
 EXAMPLE_GIN = os.path.join(gin_flags.CONFIGS_DIR, "examples", "bible_translate_from_scratch.gin")
 TASK = "bible_translate_en_es"
-DEFAULT_STEPS = 1200
+DEFAULT_STEPS = 1400
 
 
 def main(argv: list[str]) -> int:

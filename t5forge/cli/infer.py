@@ -65,7 +65,7 @@ def main(argv: list[str]) -> int:
   from t5forge.data.vocab import SentencePieceVocabulary  # pylint: disable=import-outside-toplevel
   if args.module:
     __import__(args.module)
-  ckpt = load_checkpoint(args.checkpoint)
+  ckpt = load_checkpoint(args.checkpoint, **decode_flags.runtime_overrides(args))
   vocab = (SentencePieceVocabulary(args.vocabulary, extra_ids=100) if args.vocabulary else
            vocab_io.from_spec(ckpt.extras.get("vocabulary")) if ckpt.format == "t5forge" else
            vocab_io.from_hf_dir(ckpt.path) if ckpt.format == "hf" else None)

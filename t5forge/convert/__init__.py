@@ -98,7 +98,7 @@ def detect_format(path: str) -> str:
 # Fields a caller may change on load: they alter computation, not parameter shapes
 # (scan_layers changes only the layout, which `relayout` converts).
 RUNTIME_FIELDS = ("dtype", "scan_layers", "remat_policy", "dropout_rate",
-                  "float32_attention_logits")
+                  "float32_attention_logits", "weight_dtype")
 
 
 def relayout(params: dict, *, scanned: bool, to_scanned: bool) -> dict:
@@ -139,4 +139,7 @@ def load_checkpoint(path: str, **overrides) -> LoadedCheckpoint:
     step = extras["step"]
   new_config = config.replace(**overrides) if overrides else config
   params = relayout(params, scanned=config.scan_layers, to_scanned=new_config.scan_layers)
+  if new_config.weight_dtype == "int8" and config.weight_dtype != "int8":
+    from t5forge.nn import quant  # pylint: disable=import-outside-toplevel
+    params = quant.quantize_params(params)
   return LoadedCheckpoint(new_config, params, fmt, path, step=step, extras=extras)

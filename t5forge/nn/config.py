@@ -51,6 +51,9 @@ class ModelConfig:
     scan_layers: run the layer stack with `nn.scan` (one compiled layer; parameters
       stacked on a leading 'layers' axis).
     remat_policy: 'none', 'minimal' (save matmul outputs) or 'full' (recompute all).
+    weight_dtype: 'float32', or 'int8' for int8 weight-only projection kernels with
+      per-channel scales (inference only; see `t5forge.nn.quant`). Set it when loading:
+      `t5forge.load(path, weight_dtype='int8')` or `--weight_dtype int8`.
   """
 
   vocab_size: int
@@ -72,6 +75,7 @@ class ModelConfig:
   float32_attention_logits: bool = True
   scan_layers: bool = False
   remat_policy: str = "none"
+  weight_dtype: str = "float32"
 
   def __post_init__(self):
     # Gin and JSON hand us lists; keep the dataclass hashable.
@@ -86,6 +90,8 @@ class ModelConfig:
       problems.append("an encoder-decoder needs num_encoder_layers > 0")
     if self.dtype not in ("float32", "bfloat16"):
       problems.append(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+    if self.weight_dtype not in ("float32", "int8"):
+      problems.append(f"weight_dtype must be 'float32' or 'int8', got {self.weight_dtype!r}")
     if self.remat_policy not in REMAT_POLICIES:
       problems.append(f"remat_policy must be one of {REMAT_POLICIES}, got {self.remat_policy!r}")
     bad = [a for a in self.mlp_activations if a not in ACTIVATIONS]

@@ -26,6 +26,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from t5forge.nn import quant
+
+# dense_multi concatenates the kernels only for products of at least this many rows.
+FUSE_MIN_ROWS = 256
+
 
 def _dot(a: jax.Array, b: jax.Array, a_axis: int, b_axis: int) -> jax.Array:
   """Contracts a's axis a_axis with b's axis b_axis (2-D operands)."""
@@ -63,19 +68,31 @@ def _dense2d_bwd(res, dy2):
 _dense2d.defvjp(_dense2d_fwd, _dense2d_bwd)
 
 
-def dense(x: jax.Array, kernel: jax.Array) -> jax.Array:
-  """x [..., i] @ kernel [i, o] -> [..., o] (operands already in the compute dtype)."""
+def dense(x: jax.Array, kernel: jax.Array | quant.QArray) -> jax.Array:
+  """x [..., i] @ kernel [i, o] -> [..., o] (operands already in the compute dtype).
+
+  An int8 `quant.QArray` kernel takes the int8 path (inference only)."""
   lead = x.shape[:-1]
-  y = _dense2d(x.reshape(-1, x.shape[-1]), kernel)
+  if isinstance(kernel, quant.QArray):
+    y = quant.dense(x.reshape(-1, x.shape[-1]), kernel)
+  else:
+    y = _dense2d(x.reshape(-1, x.shape[-1]), kernel)
   return y.reshape(*lead, kernel.shape[-1])
 
 
 def dense_multi(x: jax.Array, kernels: Sequence[jax.Array]) -> list[jax.Array]:
   """[x @ k for k in kernels] as one matmul on the kernels concatenated along o."""
-  if len(kernels) == 1:
-    return [dense(x, kernels[0])]
+  rows = 1
+  for n in x.shape[:-1]:
+    rows *= n
+  if len(kernels) == 1 or rows < FUSE_MIN_ROWS:
+    # With few rows (a decoding step) the product is bound by reading the weights, and
+    # concatenating them would copy every kernel once more per call.
+    return [dense(x, k) for k in kernels]
   sizes = [k.shape[-1] for k in kernels]
-  y = dense(x, jnp.concatenate(kernels, axis=-1))  # [..., sum(o)]
+  fused = (quant.concat(kernels) if isinstance(kernels[0], quant.QArray)
+           else jnp.concatenate(kernels, axis=-1))
+  y = dense(x, fused)  # [..., sum(o)]
   offsets = [0]
   for s in sizes:
     offsets.append(offsets[-1] + s)

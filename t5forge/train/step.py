@@ -41,6 +41,9 @@ def make_train_step(model: BaseModel, optimizer: optax.GradientTransformation, *
     num_microbatches: split the batch into this many sequential microbatches.
     seed: the run's seed; dropout keys derive from it and the step.
   """
+  if model.config.weight_dtype != "float32":
+    raise UserError(f"weight_dtype={model.config.weight_dtype!r} is for inference only; "
+                    "train with float32 weights (load without weight_dtype)")
   k = num_microbatches or 1
 
   def grads_and_sums(params, batch, rng):
