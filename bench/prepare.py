@@ -1,0 +1,107 @@
+"""Run settings, the shared model directories, and what machine this is.
+
+Model directories are cached under `bench/results/.cache/` by shape, seed and config
+hash: `<key>/hf` (the HF directory every framework starts from) and `<key>/ct2-float32`,
+`<key>/ct2-int8` (CTranslate2 conversions of it). They are built by a short-lived `hf`
+worker, so the driver never imports torch or JAX.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import os
+import platform
+import sys
+
+from bench import shapes
+from bench.workers import REPO_ROOT, WorkerGroup, log
+
+RESULTS_DIR = os.path.join(REPO_ROOT, "bench", "results")
+CACHE_DIR = os.path.join(RESULTS_DIR, ".cache")
+CT2_QUANTIZATIONS = ("float32", "int8")
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+  """What every case needs: the plan, how many rounds, where logs and models go."""
+
+  plan: shapes.Plan
+  rounds: int
+  quick: bool
+  seed: int = 0
+  cache_dir: str = CACHE_DIR
+
+  @property
+  def log_dir(self) -> str:
+    return os.path.join(self.cache_dir, "logs")
+
+  def model_dir(self, size: str) -> str:
+    return os.path.join(self.cache_dir, shapes.SHAPES[size].cache_key(self.seed), "hf")
+
+  def ct2_dirs(self, size: str) -> dict[str, str]:
+    root = os.path.dirname(self.model_dir(size))
+    return {q: os.path.join(root, f"ct2-{q}") for q in CT2_QUANTIZATIONS}
+
+
+def prepare_models(ctx: Context, sizes: list[str], *, ct2_sizes: list[str]) -> None:
+  """Builds the HF directories (and CTranslate2 conversions) that are not cached yet."""
+  with WorkerGroup(ctx.log_dir) as group:
+    worker = None
+    for size in sizes:
+      shape = shapes.SHAPES[size]
+      if worker is None:
+        worker = group.start("hf", "prepare models")
+      log(f"models for {shape.name}: {os.path.dirname(ctx.model_dir(size))}")
+      built = worker.call("prepare", hf_dir=ctx.model_dir(size), hf_config=shape.hf_config(),
+                          seed=ctx.seed,
+                          ct2_dirs=ctx.ct2_dirs(size) if size in ct2_sizes else None)["built"]
+      for path in built:
+        log(f"  built {os.path.relpath(path, REPO_ROOT)}")
+
+
+def _cpu_model() -> str:
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
+def _cpu_flags() -> list[str]:
+  wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "fma")
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("flags"):
+          have = set(line.split(":", 1)[1].split())
+          return [w for w in wanted if w in have]
+  except OSError:
+    pass
+  return []
+
+
+def machine_info() -> dict:
+  """CPU, cores, memory, load, and the versions of everything measured (no imports)."""
+  import psutil  # pylint: disable=import-outside-toplevel
+  versions = {}
+  for name in ("jax", "jaxlib", "flax", "optax", "torch", "transformers", "ctranslate2",
+               "numpy", "grain", "t5forge"):
+    try:
+      versions[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      versions[name] = None
+  return {
+      "cpu": _cpu_model(),
+      "cpu_flags": _cpu_flags(),
+      "logical_cores": os.cpu_count(),
+      "physical_cores": psutil.cpu_count(logical=False),
+      "memory_gib": round(psutil.virtual_memory().total / 2 ** 30, 1),
+      "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+      "platform": platform.platform(),
+      "python": sys.version.split()[0],
+      "versions": versions,
+      "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
+  }
