@@ -135,8 +135,7 @@ def _token_cross_entropy_bwd(z_loss, confidence, low_confidence, res, g):
   sum_exp = jnp.exp(log_sum_exp)[..., None]
   vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
   soft = jnp.where(vocab_ids == targets[..., None].astype(jnp.int32),
-                   jnp.float32(confidence - low_confidence) + jnp.float32(low_confidence),
-                   jnp.float32(low_confidence))
+                   jnp.float32(confidence), jnp.float32(low_confidence))
   deriv = (jnp.expand_dims(1 + 2 * z_loss * log_z, -1) * jnp.exp(logits - max_logit) / sum_exp
            - soft)
   return jnp.expand_dims(g, -1) * deriv, None

@@ -41,7 +41,9 @@ def features_from_tokens(inputs: list[list[int]], targets: list[list[int] | None
   if encoder_decoder:
     b = {"encoder_input_tokens": np.zeros((rows, input_length), np.int32),
          "decoder_input_tokens": np.zeros((rows, target_length), np.int32),
-         "decoder_target_tokens": np.zeros((rows, target_length), np.int32)}
+         "decoder_target_tokens": np.zeros((rows, target_length), np.int32),
+         # Without weights the loss would also count the padded target positions.
+         "decoder_loss_weights": np.zeros((rows, target_length), np.float32)}
     for r, (xs, ys) in enumerate(zip(inputs, targets)):
       x = _fit(xs, input_length, eos)
       b["encoder_input_tokens"][r, :len(x)] = x
@@ -49,6 +51,7 @@ def features_from_tokens(inputs: list[list[int]], targets: list[list[int] | None
         y = _fit(ys, target_length, eos)
         b["decoder_target_tokens"][r, :len(y)] = y
         b["decoder_input_tokens"][r, 1:len(y)] = y[:-1]
+        b["decoder_loss_weights"][r, :len(y)] = 1
     return b
   # Decoder-only: prefix-LM rows [0, inputs..., targets...]; the inputs are the prompt.
   width = input_length + target_length
