@@ -213,23 +213,28 @@ class MultiHeadAttention(nn.Module):
         k = self.get_variable("cache", "cached_key")
         v = self.get_variable("cache", "cached_value")
       else:
-        k, v = project_kv(inputs_kv)
+        k, v = map(_head_major, project_kv(inputs_kv))
         self.put_variable("cache", "cached_key", k)
         self.put_variable("cache", "cached_value", v)
     elif decode == "self":
       initialized = self.has_variable("cache", "cached_key")
       b = inputs_q.shape[0]
-      k_new, v_new = project_kv(inputs_kv)
-      ck = self.variable("cache", "cached_key", jnp.zeros, (b, max_length, h, d), k_new.dtype)
-      cv = self.variable("cache", "cached_value", jnp.zeros, (b, max_length, h, d), v_new.dtype)
+      k_new, v_new = map(_head_major, project_kv(inputs_kv))  # [b, h, q, d]
+      ck = self.variable("cache", "cached_key", jnp.zeros, (b, h, max_length, d), k_new.dtype)
+      cv = self.variable("cache", "cached_value", jnp.zeros, (b, h, max_length, d), v_new.dtype)
       if initialized:  # a real step (not the call that creates the cache): write in place
         zero = jnp.zeros((), jnp.int32)
-        ck.value = jax.lax.dynamic_update_slice(ck.value, k_new, (zero, cache_index, zero, zero))
-        cv.value = jax.lax.dynamic_update_slice(cv.value, v_new, (zero, cache_index, zero, zero))
-      k, v = ck.value, cv.value  # [b, max_length, h, d]
+        ck.value = jax.lax.dynamic_update_slice(ck.value, k_new, (zero, zero, cache_index, zero))
+        cv.value = jax.lax.dynamic_update_slice(cv.value, v_new, (zero, zero, cache_index, zero))
+      k, v = ck.value, cv.value  # [b, h, max_length, d]
     elif not fused_qkv:
       k, v = project_kv(inputs_kv)
 
+    if decode is not None:
+      out = cached_attention(q, k, v, bias, mask_bias, float32_logits=self.float32_logits)
+      out = out.reshape(*out.shape[:-2], h * d)  # [b, q, h*d]
+      return Dense(inputs_q.shape[-1], (ax.JOINED_KV, ax.EMBED), dtype=self.dtype,
+                   kernel_init=kernel_init, name="out")(out)
     out = dot_product_attention(q, k, v, bias, mask_bias, dropout_rate=self.dropout_rate,
                                 deterministic=deterministic, float32_logits=self.float32_logits,
                                 dropout_rng=(None if deterministic or self.dropout_rate == 0
@@ -237,6 +242,36 @@ class MultiHeadAttention(nn.Module):
     out = out.reshape(*out.shape[:-2], h * d)  # [b, q, h*d]
     return Dense(inputs_q.shape[-1], (ax.JOINED_KV, ax.EMBED), dtype=self.dtype,
                  kernel_init=kernel_init, name="out")(out)
+
+
+def _head_major(x: jax.Array) -> jax.Array:
+  """[b, k, h, d] -> [b, h, k, d], the layout of the decoding caches."""
+  return jnp.swapaxes(x, 1, 2)
+
+
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None,
+                     mask_bias: jax.Array | None, *, float32_logits: bool = True) -> jax.Array:
+  """softmax(q.k + bias) v over a decoding cache kept head-major.
+
+  The caches are [b, h, k, d] rather than the [b, k, h, d] of teacher forcing: the dots
+  batch over (b, h), and with that layout XLA reads the cache in place. With [b, k, h, d]
+  it copied every layer's whole cache into a transposed layout on every decoding step
+  (measured: over a third of a flan-t5-small greedy step at batch 16).
+
+  Args:
+    q: [b, q, h, d]; k, v: [b, h, k, d]; bias, mask_bias: broadcastable to [b, h, q, k].
+
+  Returns:
+    [b, q, h, d] in v's dtype.
+  """
+  if float32_logits:
+    q, k = q.astype(jnp.float32), k.astype(jnp.float32)
+  logits = jnp.einsum("bqhd,bhkd->bhqk", q, k)  # [b, h, q, k]
+  for b in (bias, mask_bias):
+    if b is not None:
+      logits = logits + b.astype(logits.dtype)
+  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(v.dtype)
+  return jnp.einsum("bhqk,bhkd->bqhd", probs, v)  # [b, q, h, d]
 
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None,
