@@ -80,7 +80,7 @@ def hf_forward(model, encoder_input_tokens: np.ndarray, decoder_input_tokens: np
   dec = torch.tensor(decoder_input_tokens, dtype=torch.long)
   with torch.no_grad():
     out = model(input_ids=enc, attention_mask=(enc > 0).long(), decoder_input_ids=dec)
-  return out.encoder_last_hidden_state.numpy(), out.logits.numpy()
+  return out.encoder_last_hidden_state.float().numpy(), out.logits.float().numpy()
 
 
 def random_batch(vocab_size: int, *, batch: int = 3, enc_len: int = 150, dec_len: int = 140,

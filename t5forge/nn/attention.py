@@ -61,7 +61,9 @@ class RelativePositionBias(nn.Module):
   """T5's learned relative position bias, one scalar per (head, bucket).
 
   Computed once per stack (encoder or decoder) and shared by all its layers, which is
-  what T5 and HF do (HF computes it in the first layer and passes it on).
+  what T5 and HF do (HF computes it in the first layer and passes it on). Kept in
+  float32 whatever the activation dtype: it is added to float32 logits, and in bfloat16
+  XLA fused every layer's [b, h, q, k] bias gradient into one slow reduction.
   """
 
   num_buckets: int
@@ -190,7 +192,8 @@ class MultiHeadAttention(nn.Module):
     kernel = lambda name, init, x: Kernel(h * d, (ax.EMBED, ax.JOINED_KV), kernel_init=init,  # noqa: E731
                                           name=name)(x.shape[-1]).astype(self.dtype)
     heads = lambda y, x: nn.with_logical_constraint(  # noqa: E731
-        y.reshape(*x.shape[:-1], h, d), (ax.BATCH, ax.LENGTH, ax.ACT_HEADS, ax.ACT_KV))
+        y.astype(self.dtype).reshape(*x.shape[:-1], h, d),
+        (ax.BATCH, ax.LENGTH, ax.ACT_HEADS, ax.ACT_KV))
 
     def project_kv(x):
       # [b, k, e] -> k, v [b, k, h, d]
@@ -244,6 +247,20 @@ class MultiHeadAttention(nn.Module):
                  kernel_init=kernel_init, name="out")(out)
 
 
+def _einsum(eq: str, a: jax.Array, b: jax.Array) -> jax.Array:
+  """jnp.einsum; bfloat16 operands accumulate in (and return) float32, the form XLA:CPU
+  runs on its fast bf16 kernels (see `matmul`)."""
+  return jnp.einsum(eq, a, b, preferred_element_type=matmul.accumulation_dtype(a.dtype))
+
+
+def _logit_operands(q: jax.Array, k: jax.Array, float32_logits: bool):
+  # float32 logits: bfloat16 q and k are multiplied with float32 accumulation, which is
+  # exact for their products, so they need no cast; other dtypes are cast to float32.
+  if float32_logits and q.dtype != jnp.bfloat16:
+    q, k = q.astype(jnp.float32), k.astype(jnp.float32)
+  return q, k
+
+
 def _head_major(x: jax.Array) -> jax.Array:
   """[b, k, h, d] -> [b, h, k, d], the layout of the decoding caches."""
   return jnp.swapaxes(x, 1, 2)
@@ -264,14 +281,13 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array |
   Returns:
     [b, q, h, d] in v's dtype.
   """
-  if float32_logits:
-    q, k = q.astype(jnp.float32), k.astype(jnp.float32)
-  logits = jnp.einsum("bqhd,bhkd->bhqk", q, k)  # [b, h, q, k]
+  q, k = _logit_operands(q, k, float32_logits)
+  logits = _einsum("bqhd,bhkd->bhqk", q, k)  # [b, h, q, k]
   for b in (bias, mask_bias):
     if b is not None:
       logits = logits + b.astype(logits.dtype)
   probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(v.dtype)
-  return jnp.einsum("bhqk,bhkd->bqhd", probs, v)  # [b, q, h, d]
+  return _einsum("bhqk,bhkd->bqhd", probs, v).astype(v.dtype)  # [b, q, h, d]
 
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None,
@@ -288,8 +304,7 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Ar
   Returns:
     [b, q, h, d] in v's dtype.
   """
-  if float32_logits:
-    q, k = q.astype(jnp.float32), k.astype(jnp.float32)
+  q, k = _logit_operands(q, k, float32_logits)
   keep = None
   if not deterministic and dropout_rate > 0.0:
     shape = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])  # [b, h, q, k]
@@ -304,13 +319,13 @@ def _attention(q, k, v, bias, mask_bias, keep, dropout_rate):
 
 
 def _attention_fwd(q, k, v, bias, mask_bias, keep, dropout_rate):
-  logits = jnp.einsum("bqhd,bkhd->bhqk", q, k)  # [b, h, q, k]
+  logits = _einsum("bqhd,bkhd->bhqk", q, k)  # [b, h, q, k]
   for b in (bias, mask_bias):
     if b is not None:
       logits = logits + b.astype(logits.dtype)
   probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # [b, h, q, k] float32
   weights = _dropped(probs.astype(v.dtype), keep, dropout_rate)
-  out = jnp.einsum("bhqk,bkhd->bqhd", weights, v)  # [b, q, h, d]
+  out = _einsum("bhqk,bkhd->bqhd", weights, v).astype(v.dtype)  # [b, q, h, d]
   return out, (q, k, v, bias, mask_bias, keep, probs, out)
 
 
@@ -336,16 +351,16 @@ def _attention_bwd(dropout_rate, res, dout):
   """
   q, k, v, bias, mask_bias, keep, probs, out = res
   weights = _dropped(probs.astype(v.dtype), keep, dropout_rate)
-  dv = jnp.einsum("bhqk,bqhd->bkhd", weights, dout.astype(v.dtype))  # [b, k, h, d]
-  d_weights = jnp.einsum("bqhd,bkhd->bhqk", dout.astype(v.dtype), v).astype(jnp.float32)
+  dv = _einsum("bhqk,bqhd->bkhd", weights, dout.astype(v.dtype))  # [b, k, h, d]
+  d_weights = _einsum("bqhd,bkhd->bhqk", dout.astype(v.dtype), v).astype(jnp.float32)
   d_probs = _dropped(d_weights, keep, dropout_rate)  # [b, h, q, k]
   if out.dtype == jnp.float32:
     delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32), out)[..., None]
   else:
     delta = jnp.sum(probs * d_probs, axis=-1, keepdims=True)
   d_logits = probs * (d_probs - delta)  # [b, h, q, k] float32
-  dq = jnp.einsum("bhqk,bkhd->bqhd", d_logits.astype(q.dtype), k)
-  dk = jnp.einsum("bhqk,bqhd->bkhd", d_logits.astype(q.dtype), q)
+  dq = _einsum("bhqk,bkhd->bqhd", d_logits.astype(q.dtype), k).astype(q.dtype)
+  dk = _einsum("bhqk,bqhd->bkhd", d_logits.astype(q.dtype), q).astype(k.dtype)
   d_bias = d_mask = None
   if bias is not None:
     # The bias is shared by every layer of a stack. Left alone, XLA defers this

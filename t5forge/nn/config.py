@@ -45,9 +45,15 @@ class ModelConfig:
     relative_attention_num_buckets / relative_attention_max_distance: T5's relative
       position buckets.
     architecture: 'encoder_decoder' or 'decoder_only'.
-    dtype: activation dtype, 'float32' or 'bfloat16' (parameters stay float32).
-    float32_attention_logits: compute attention logits and softmax in float32 even
-      when activations are bfloat16.
+    dtype: compute dtype of the matmuls, 'float32' or 'bfloat16'. With 'bfloat16' the
+      operands of every projection and attention product are rounded to bfloat16 and
+      multiplied with float32 accumulation (XLA:CPU's AMX bf16 kernels); the residual
+      stream, norms, softmax, activations and parameters stay float32, as under torch
+      autocast. (XLA:CPU emulates bfloat16 elementwise arithmetic with conversions, so
+      bfloat16 activations between the matmuls would be slower, not faster.)
+    float32_attention_logits: compute attention logits and softmax in float32. With
+      either dtype they are: bfloat16 q and k are multiplied with float32 accumulation.
+      Kept for T5X configs that set it.
     scan_layers: run the layer stack with `nn.scan` (one compiled layer; parameters
       stacked on a leading 'layers' axis).
     remat_policy: 'none', 'minimal' (save matmul outputs) or 'full' (recompute all).

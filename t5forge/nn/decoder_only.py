@@ -51,11 +51,11 @@ class _Decoder(nn.Module):
     embedder = Embed(num_embeddings=cfg.vocab_size, features=cfg.emb_dim,
                      dtype=cfg.activation_dtype, name="token_embedder")
     x = _dropout(cfg, embedder(tokens), deterministic)
-    x = nn.with_logical_constraint(x.astype(cfg.activation_dtype), ACT)
+    x = nn.with_logical_constraint(x.astype(jnp.float32), ACT)  # float32 residual stream
     relpos = attn.RelativePositionBias(
         num_buckets=cfg.relative_attention_num_buckets,
         max_distance=cfg.relative_attention_max_distance, num_heads=cfg.num_heads,
-        bidirectional=False, dtype=cfg.activation_dtype, name="relpos_bias")
+        bidirectional=False, name="relpos_bias")
     cache_index = None
     if decode:
       mask, position_bias, cache_index = self._decode_mask(relpos, tokens, causal_attention,

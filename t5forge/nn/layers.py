@@ -79,12 +79,15 @@ class Embed(nn.Module):
                                      (self.num_embeddings, self.features), (ax.VOCAB, ax.EMBED))
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
-    # tokens: [b, l] int -> [b, l, d]
-    return jnp.take(self.embedding, tokens.astype(jnp.int32), axis=0).astype(self.dtype)
+    # tokens: [b, l] int -> [b, l, d] float32: embeddings feed the float32 residual
+    # stream; `dtype` is the compute dtype of `attend`.
+    return jnp.take(self.embedding, tokens.astype(jnp.int32), axis=0)
 
   def attend(self, x: jax.Array) -> jax.Array:
-    # x: [b, l, d] -> logits [b, l, v], in float32 for a stable softmax.
-    return jnp.einsum("bld,vd->blv", x.astype(jnp.float32), self.embedding)
+    # x: [b, l, d] -> logits [b, l, v], in float32 for a stable softmax (bfloat16
+    # operands accumulate in float32).
+    return jnp.einsum("bld,vd->blv", x.astype(self.dtype), self.embedding.astype(self.dtype),
+                      preferred_element_type=jnp.float32)
 
 
 class Dense(nn.Module):
@@ -96,15 +99,17 @@ class Dense(nn.Module):
 
   features: int
   kernel_axes: tuple[str, str]
-  dtype: Any = jnp.float32
+  dtype: Any = jnp.float32  # compute dtype of the operands
   kernel_init: Initializer = default_kernel_init
+  out_dtype: Any = None  # dtype of the result; None: see `matmul.dense`
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     # x: [..., in] -> [..., out]
     kernel = param_with_axes(self, "kernel", self.kernel_init, (x.shape[-1], self.features),
                              self.kernel_axes)
-    return matmul.dense(x.astype(self.dtype), kernel.astype(self.dtype))
+    return matmul.dense(x.astype(self.dtype), kernel.astype(self.dtype),
+                        out_dtype=self.out_dtype)
 
 
 class Kernel(nn.Module):

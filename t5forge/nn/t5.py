@@ -86,15 +86,18 @@ class DecoderLayer(nn.Module):
 
 
 def output_logits(cfg: ModelConfig, y: jax.Array, embedder: Embed) -> jax.Array:
-  """Final decoder states [b, t, e] -> float32 logits [b, t, v] (tied or untied)."""
-  y = y.astype(jnp.float32)
+  """Final decoder states [b, t, e] -> float32 logits [b, t, v] (tied or untied).
+
+  The product runs in the activation dtype (bfloat16 accumulating in float32, as T5X's
+  `logits_dense` and autocast do); the logits come out in float32 either way."""
   if cfg.should_scale_logits:
     # T5 1.0 rescales before the tied output layer (HF: `scale_decoder_outputs`).
-    y = y * cfg.emb_dim ** -0.5
+    y = y.astype(jnp.float32) * cfg.emb_dim ** -0.5
+  y = y.astype(cfg.activation_dtype)
   if cfg.logits_via_embedding:
     return embedder.attend(y)
-  return Dense(cfg.vocab_size, (ax.EMBED, ax.VOCAB), dtype=jnp.float32,
-               kernel_init=default_kernel_init, name="logits_dense")(y)
+  return Dense(cfg.vocab_size, (ax.EMBED, ax.VOCAB), dtype=cfg.activation_dtype,
+               out_dtype=jnp.float32, kernel_init=default_kernel_init, name="logits_dense")(y)
 
 
 class Encoder(nn.Module):
@@ -107,11 +110,12 @@ class Encoder(nn.Module):
     cfg = self.config
     length = tokens.shape[-1]
     x = _dropout(cfg, self.shared_embedding(tokens), deterministic)
-    x = nn.with_logical_constraint(x.astype(cfg.activation_dtype), ACT)
+    # The residual stream stays float32 in every dtype (see ModelConfig.dtype).
+    x = nn.with_logical_constraint(x.astype(jnp.float32), ACT)
     position_bias = attn.RelativePositionBias(
         num_buckets=cfg.relative_attention_num_buckets,
         max_distance=cfg.relative_attention_max_distance, num_heads=cfg.num_heads,
-        bidirectional=True, dtype=cfg.activation_dtype, name="relpos_bias")(length, length)
+        bidirectional=True, name="relpos_bias")(length, length)
     # Keys that are padding are masked; padded queries still attend to real keys (as HF),
     # so every row of the softmax has support.
     mask = attn.padding_mask(None, tokens > 0)
@@ -151,11 +155,11 @@ class Decoder(nn.Module):
     length = decoder_input_tokens.shape[-1]
     dtype = cfg.activation_dtype
     y = _dropout(cfg, self.shared_embedding(decoder_input_tokens), deterministic)
-    y = nn.with_logical_constraint(y.astype(cfg.activation_dtype), ACT)
+    y = nn.with_logical_constraint(y.astype(jnp.float32), ACT)  # float32 residual stream
     relpos = attn.RelativePositionBias(
         num_buckets=cfg.relative_attention_num_buckets,
         max_distance=cfg.relative_attention_max_distance, num_heads=cfg.num_heads,
-        bidirectional=False, dtype=cfg.activation_dtype, name="relpos_bias")
+        bidirectional=False, name="relpos_bias")
     cache_index = None
     if decode:
       initialized = self.has_variable("cache", "index")
