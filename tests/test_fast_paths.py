@@ -61,6 +61,28 @@ def test_dense_and_fused_projections_equal_jnp_dot():
       np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("i, o", [(16, 40), (40, 16)])
+def test_bfloat16_projection_gradient_equals_autodiff(i, o):
+  """bfloat16 dense: explicit (identity-product) transposes in the backward pass give
+  autodiff's gradient of a bf16 x bf16 -> float32 dot, for both branches (i <= o,
+  i > o). The backward pass multiplies in bf16 (the float32 output gradient rounded to
+  bf16, as under autocast), so entries differ by bf16 rounding: ~0.4% of the scale."""
+  x = jnp.asarray(RNG.normal(size=(3, 24, i)), jnp.bfloat16)
+  k = jnp.asarray(RNG.normal(size=(i, o)), jnp.bfloat16)
+  cot = jnp.asarray(RNG.normal(size=(3, 24, o)), jnp.float32)
+  plain = lambda x, k: jnp.einsum("bni,io->bno", x, k, preferred_element_type=jnp.float32)  # noqa: E731
+  loss = lambda fn: lambda x, k: jnp.sum(fn(x, k) * cot)  # noqa: E731
+  y = matmul.dense(x, k)
+  assert y.dtype == jnp.float32
+  np.testing.assert_allclose(y, plain(x, k), rtol=1e-6, atol=1e-6)
+  got = jax.jit(jax.grad(loss(matmul.dense), argnums=(0, 1)))(x, k)
+  want = jax.grad(loss(plain), argnums=(0, 1))(x, k)
+  for g, w in zip(got, want):
+    assert g.dtype == w.dtype == jnp.bfloat16
+    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+    assert np.abs(g - w).max() / np.abs(w).max() < 1e-2
+
+
 def test_relative_bias_lookup_gradient_equals_gather_gradient():
   table = jnp.asarray(RNG.normal(size=(4, 32)), jnp.float32)
   buckets = jnp.asarray(RNG.integers(0, 32, size=(9, 11)), jnp.int32)

@@ -366,8 +366,12 @@ def _attention_bwd(dropout_rate, res, dout):
     # The bias is shared by every layer of a stack. Left alone, XLA defers this
     # reduction to the end and sums all layers' [b, h, q, k] gradients in one slow
     # fusion (keeping them all alive); the barrier reduces each layer's right here.
+    d_bias = d_logits
+    if bias.shape[0] == 1 and d_logits.shape[0] > 1:
+      ones = jnp.ones((d_logits.shape[0],), d_logits.dtype)
+      d_bias = jnp.einsum("b,bhqk->hqk", ones, d_logits)[None]
     d_bias = jax.lax.optimization_barrier(
-        _sum_to_shape(d_logits, bias.shape).astype(bias.dtype))
+        _sum_to_shape(d_bias, bias.shape).astype(bias.dtype))
   if mask_bias is not None:
     d_mask = _sum_to_shape(d_logits, mask_bias.shape).astype(mask_bias.dtype)
   return dq, dk, dv.astype(v.dtype), d_bias, d_mask, None
