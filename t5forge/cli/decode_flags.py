@@ -20,7 +20,7 @@ def add(parser: argparse.ArgumentParser) -> None:
   g.add_argument("--seed", type=int, default=None)
   r = parser.add_argument_group("runtime (how the checkpoint is run, not what it holds)")
   r.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                 help="activation dtype (default: the checkpoint's)")
+                 help="matmul compute dtype; bfloat16: bf16 operands, float32 accumulation (default: the checkpoint's)")
   r.add_argument("--weight_dtype", choices=["float32", "int8"], default=None,
                  help="int8: weight-only int8 projection kernels, quantised on load")
 

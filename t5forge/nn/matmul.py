@@ -36,6 +36,8 @@ from t5forge.nn import quant
 
 # dense_multi concatenates the kernels only for products of at least this many rows.
 FUSE_MIN_ROWS = 256
+# bfloat16 products with fewer rows are padded to this many (see `dense`).
+BF16_MIN_ROWS = 8
 
 
 def accumulation_dtype(dtype) -> jnp.dtype | None:
@@ -109,7 +111,13 @@ def dense(x: jax.Array, kernel: jax.Array | quant.QArray, out_dtype=None) -> jax
   if isinstance(kernel, quant.QArray):
     y = quant.dense(x.reshape(-1, x.shape[-1]), kernel).astype(out_dtype)
   else:
-    y = _dense2d(x.reshape(-1, x.shape[-1]), kernel, out_dtype)
+    x2 = x.reshape(-1, x.shape[-1])
+    n = x2.shape[0]
+    if x2.dtype == jnp.bfloat16 and n < BF16_MIN_ROWS:
+      # A bf16 matrix-vector product (greedy batch 1) takes XLA:CPU's slow path; an
+      # 8-row product runs on the fast kernels in half the time of the float32 one.
+      x2 = jnp.pad(x2, ((0, BF16_MIN_ROWS - n), (0, 0)))
+    y = _dense2d(x2, kernel, out_dtype)[:n]
   return y.reshape(*lead, kernel.shape[-1])
 
 
