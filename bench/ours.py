@@ -98,7 +98,9 @@ class Backend:
     ka, kb = jax.random.split(jax.random.key(0))
     a = jax.random.normal(ka, (n, n), jnp.float32).astype(dt)
     b = jax.random.normal(kb, (n, n), jnp.float32).astype(dt)
-    f = jax.jit(jnp.dot)
+    # bf16 as our models multiply it: float32 accumulation and result (the form XLA:CPU
+    # runs on its AMX kernels; a bf16-result dot takes a ~5x slower path).
+    f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
     f(a, b).block_until_ready()  # compile
     reps = _calibrate(lambda: f(a, b).block_until_ready(), seconds)
 
@@ -110,12 +112,12 @@ class Backend:
 
   # -- training ----------------------------------------------------------------------
   def setup_train(self, model_dir: str, dtype: str, optimizer: str, scan: bool, batch: int,
-                  input_length: int, target_length: int, seed: int = 0):
+                  input_length: int, target_length: int, seed: int = 0, remat: str = "none"):
     """One training step (forward, backward, optimizer update) on a fixed random batch.
 
     The step is compiled ahead of time, so that the compile time is measured apart
     from the first execution."""
-    m = t5forge.load(model_dir, dtype=dtype, scan_layers=scan)
+    m = t5forge.load(model_dir, dtype=dtype, scan_layers=scan, remat_policy=remat)
     model = EncoderDecoderModel(m.config)
     tx = OPTIMIZERS[optimizer]().build(lambda _: LEARNING_RATE, model.logical_axes())
     state = create_state(m.params, tx)

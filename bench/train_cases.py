@@ -15,6 +15,8 @@ SHORT = {"float32": "fp32", "bfloat16": "bf16"}
 # flan-t5-base training: HF needs ~18 GB, so its workers cannot live next to ours in
 # 24 GiB; those rows run one worker at a time (said in the table).
 SEQUENTIAL_TRAIN_SIZES = ("base",)
+# Shapes whose training rows include bf16 + scan + remat="minimal" (peak RSS vs HF).
+REMAT_SIZES = ("base",)
 
 
 # -- matmul ----------------------------------------------------------------------------
@@ -50,17 +52,22 @@ def run_matmul(ctx: Context) -> dict:
 
 
 # -- training --------------------------------------------------------------------------
-def train_rows() -> list[dict]:
-  """ours fp32 / bf16 (+ fp32 with scan over layers) and HF fp32 / bf16 autocast, for
+def train_rows(size: str = "small") -> list[dict]:
+  """ours fp32 / bf16 (each also with scan over layers; for flan-t5-base also bf16 with
+  scan and remat_policy="minimal", the lean-memory setting) and HF fp32 / bf16 autocast, for
   Adafactor and AdamW."""
   rows = []
   for opt in ("adafactor", "adamw"):
     rows += [{"framework": "ours", "dtype": d, "optimizer": opt, "scan": False} for d in DTYPES]
-    rows.append({"framework": "ours", "dtype": "float32", "optimizer": opt, "scan": True})
+    rows += [{"framework": "ours", "dtype": d, "optimizer": opt, "scan": True} for d in DTYPES]
+    if size in REMAT_SIZES:
+      rows.append({"framework": "ours", "dtype": "bfloat16", "optimizer": opt, "scan": True,
+                   "remat": "minimal"})
     rows += [{"framework": "hf", "dtype": d, "optimizer": opt, "scan": False} for d in DTYPES]
   for r in rows:
     r["label"] = (f"{r['framework']} {SHORT[r['dtype']]} {r['optimizer']}"
-                  + (" scan" if r["scan"] else ""))
+                  + (" scan" if r["scan"] else "")
+                  + (f" remat={r['remat']}" if r.get("remat") else ""))
   return rows
 
 
@@ -73,7 +80,7 @@ def run_train(ctx: Context, size: str, peaks: dict[str, float]) -> dict:
   plan, shape = ctx.plan, shapes.SHAPES[size]
   batch, (inp, tgt) = plan.train_batch, plan.train_lengths
   sequential = size in SEQUENTIAL_TRAIN_SIZES
-  rows = train_rows()
+  rows = train_rows(size)
   if sequential:
     groups = [[r] for r in rows]
   else:
@@ -89,7 +96,7 @@ def run_train(ctx: Context, size: str, peaks: dict[str, float]) -> dict:
                     optimizer=r["optimizer"], batch=batch, input_length=inp,
                     target_length=tgt, seed=ctx.seed)
         if r["framework"] == "ours":
-          args["scan"] = r["scan"]
+          args.update(scan=r["scan"], remat=r.get("remat", "none"))
         log(f"train {shape.name}: setting up {r['label']}")
         r.update(w.setup("step", **args))
         r["warmup_s"] = warm_up(w, "step", min_runs=plan.warmup_runs,
