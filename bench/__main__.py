@@ -35,7 +35,7 @@ import sys
 import time
 
 from bench import decode_cases, shapes, table, train_cases
-from bench.prepare import RESULTS_DIR, Context, machine_info, prepare_models
+from bench.prepare import RESULTS_DIR, Context, bf16_hardware, machine_info, prepare_models
 from bench.workers import WorkerError, log
 
 CASES = ("matmul", "train", "decode", "data", "scaling")
@@ -54,6 +54,9 @@ def _parse(argv):
                  help="timed runs per job (default 3; 1 with --quick)")
   p.add_argument("--int8", choices=("auto", "on", "off"), default="auto",
                  help="our int8 weight-only decode row: auto = when t5forge supports it")
+  p.add_argument("--bf16", choices=("auto", "on", "off"), default="auto",
+                 help="bf16 rows (ours bf16, HF bf16 autocast, bf16 matmul peaks): auto = "
+                      "only on a CPU with bf16 instructions (avx512_bf16 or amx_bf16)")
   p.add_argument("--seed", type=int, default=0, help="seed of the weights and tokens")
   p.add_argument("--output", default=None, help="JSON path (default bench/results/bench.json)")
   args = p.parse_args(argv)
@@ -98,7 +101,16 @@ def main(argv=None) -> int:
     return 2
   cases = _cases(args.cases)
   scaling_size = "tiny" if args.quick else "small"
-  ctx = Context(plan=plan, rounds=rounds, quick=args.quick, seed=args.seed)
+  with_bf16 = args.bf16 == "on" or (args.bf16 == "auto" and bf16_hardware())
+  bf16_note = (None if with_bf16 else
+               "bf16 rows left out: --bf16 off" if args.bf16 == "off" else
+               "bf16 rows left out: this CPU has no bf16 instructions (avx512_bf16 / "
+               "amx_bf16), where torch multiplies bf16 matrices unvectorised; --bf16 on "
+               "forces them")
+  if bf16_note:
+    log(bf16_note)
+  ctx = Context(plan=plan, rounds=rounds, quick=args.quick, seed=args.seed,
+                dtypes=("float32", "bfloat16") if with_bf16 else ("float32",))
   output = args.output or os.path.join(RESULTS_DIR, "bench_quick.json" if args.quick
                                        else "bench.json")
   signal.signal(signal.SIGTERM, _terminate)
@@ -107,7 +119,8 @@ def main(argv=None) -> int:
             "command": " ".join(["python -m bench"] + list(argv)),
             "started": time.strftime("%Y-%m-%d %H:%M:%S"), "quick": args.quick,
             "rounds": rounds, "sizes": sizes, "cases": cases,
-            "plan": dataclasses.asdict(plan), "machine": machine_info(), "errors": []}
+            "plan": dataclasses.asdict(plan), "machine": machine_info(), "errors": [],
+            "dtypes": list(ctx.dtypes), "notes": [bf16_note] if bf16_note else []}
   started = time.perf_counter()
   model_sizes = list(sizes) if {"train", "decode"} & set(cases) else []
   if "scaling" in cases and scaling_size not in model_sizes:

@@ -58,7 +58,7 @@ def run_decode(ctx: Context, size: str, int8: str = "auto") -> dict:
     workers = {k: group.start(k, f"{shape.name} decode {k}") for k in ("ours", "hf", "ct2")}
     group.wait_ready()
     caps = workers["ours"].call("capabilities")
-    impls = list(IMPLEMENTATIONS)
+    impls = [i for i in IMPLEMENTATIONS if i[2] != "bfloat16" or "bfloat16" in ctx.dtypes]
     if int8 == "off" or not caps["int8"]:
       impls = [i for i in impls if i[0] != "ours int8"]
       skipped["ours int8"] = ("--int8 off" if int8 == "off" else caps["int8_note"])

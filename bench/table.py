@@ -249,6 +249,7 @@ def render(report: dict) -> str:
   """The whole report as text: machine, then one table per section measured, then
   the targets."""
   out = render_machine(report["machine"], report["rounds"], report["quick"])
+  out += report.get("notes", [])
   peaks = report.get("matmul", {}).get("peaks_gflops", {})
   if "matmul" in report:
     out += [""] + render_matmul(report["matmul"])

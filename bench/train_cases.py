@@ -15,7 +15,7 @@ SHORT = {"float32": "fp32", "bfloat16": "bf16"}
 # flan-t5-base training: HF needs ~18 GB, so its workers cannot live next to ours in
 # 24 GiB; those rows run one worker at a time (said in the table).
 SEQUENTIAL_TRAIN_SIZES = ("base",)
-# Shapes whose training rows include bf16 + scan + remat="minimal" (peak RSS vs HF).
+# Shapes whose training rows include scan + remat="minimal" in fp32 and bf16 (peak RSS vs HF).
 REMAT_SIZES = ("base",)
 
 
@@ -32,7 +32,7 @@ def run_matmul(ctx: Context) -> dict:
     workers = {"jax": group.start("ours", "ours matmul"), "torch": group.start("hf", "hf matmul")}
     group.wait_ready()
     for fw, w in workers.items():
-      for dtype in DTYPES:
+      for dtype in ctx.dtypes:
         for n in plan.matmul_sizes:
           name = f"{fw} {dtype} {n}"
           info = w.setup(name, kind="matmul", n=n, dtype=dtype, seconds=plan.matmul_seconds)
@@ -52,18 +52,18 @@ def run_matmul(ctx: Context) -> dict:
 
 
 # -- training --------------------------------------------------------------------------
-def train_rows(size: str = "small") -> list[dict]:
-  """ours fp32 / bf16 (each also with scan over layers; for flan-t5-base also bf16 with
+def train_rows(size: str = "small", dtypes: tuple[str, ...] = DTYPES) -> list[dict]:
+  """ours fp32 / bf16 (each also with scan over layers; for flan-t5-base also both with
   scan and remat_policy="minimal", the lean-memory setting) and HF fp32 / bf16 autocast, for
   Adafactor and AdamW."""
   rows = []
   for opt in ("adafactor", "adamw"):
-    rows += [{"framework": "ours", "dtype": d, "optimizer": opt, "scan": False} for d in DTYPES]
-    rows += [{"framework": "ours", "dtype": d, "optimizer": opt, "scan": True} for d in DTYPES]
+    rows += [{"framework": "ours", "dtype": d, "optimizer": opt, "scan": False} for d in dtypes]
+    rows += [{"framework": "ours", "dtype": d, "optimizer": opt, "scan": True} for d in dtypes]
     if size in REMAT_SIZES:
-      rows.append({"framework": "ours", "dtype": "bfloat16", "optimizer": opt, "scan": True,
-                   "remat": "minimal"})
-    rows += [{"framework": "hf", "dtype": d, "optimizer": opt, "scan": False} for d in DTYPES]
+      rows += [{"framework": "ours", "dtype": d, "optimizer": opt, "scan": True,
+                "remat": "minimal"} for d in dtypes]
+    rows += [{"framework": "hf", "dtype": d, "optimizer": opt, "scan": False} for d in dtypes]
   for r in rows:
     r["label"] = (f"{r['framework']} {SHORT[r['dtype']]} {r['optimizer']}"
                   + (" scan" if r["scan"] else "")
@@ -80,7 +80,7 @@ def run_train(ctx: Context, size: str, peaks: dict[str, float]) -> dict:
   plan, shape = ctx.plan, shapes.SHAPES[size]
   batch, (inp, tgt) = plan.train_batch, plan.train_lengths
   sequential = size in SEQUENTIAL_TRAIN_SIZES
-  rows = train_rows(size)
+  rows = train_rows(size, ctx.dtypes)
   if sequential:
     groups = [[r] for r in rows]
   else:
