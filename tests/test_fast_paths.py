@@ -10,7 +10,7 @@ from hf_reference import random_batch
 from t5forge import losses
 from t5forge.convert.hf import load_hf, params_to_state
 from t5forge.models import EncoderDecoderModel
-from t5forge.nn import attention, matmul, quant
+from t5forge.nn import attention, matmul, philox, quant
 
 RNG = np.random.default_rng(0)
 
@@ -30,14 +30,21 @@ def test_attention_backward_equals_autodiff(dropout):
                 for s in ((b, q, h, d), (b, k, h, d), (b, k, h, d)))
   bias = jnp.asarray(RNG.normal(size=(1, h, q, k)), jnp.float32)
   mask = jnp.where(jnp.asarray(RNG.random((b, 1, q, k)) < 0.2), -1e10, 0.0)
-  keep = jnp.asarray(RNG.random((b, h, q, k)) > dropout) if dropout else None
+  # The fast path takes the Philox seed and regenerates the mask in its backward pass;
+  # the reference is given the same mask as an array.
+  seed = philox.seed_words(jax.random.key(7)) if dropout else None
+  keep = philox.keep_mask(seed, (b, h, q, k), dropout) if dropout else None
+  if dropout:
+    assert 0 < int(jnp.sum(~keep)) < keep.size  # some weights are really dropped
   cot = jnp.asarray(RNG.normal(size=(b, q, h, d)), jnp.float32)
 
-  def loss(fn):
-    return lambda *a: jnp.sum(fn(*a, mask, keep, dropout) * cot)
+  def loss(fn, drop):
+    return lambda *a: jnp.sum(fn(*a, mask, drop, dropout) * cot)
 
-  got = jax.grad(loss(attention._attention), argnums=(0, 1, 2, 3))(qa, ka, va, bias)
-  want = jax.grad(loss(_plain_attention), argnums=(0, 1, 2, 3))(qa, ka, va, bias)
+  got = jax.grad(loss(attention._attention, seed), argnums=(0, 1, 2, 3))(qa, ka, va, bias)
+  want = jax.grad(loss(_plain_attention, keep), argnums=(0, 1, 2, 3))(qa, ka, va, bias)
+  np.testing.assert_allclose(loss(attention._attention, seed)(qa, ka, va, bias),
+                             loss(_plain_attention, keep)(qa, ka, va, bias), rtol=1e-5)
   for g, w in zip(got, want):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 

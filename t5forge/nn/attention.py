@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from t5forge import sharding as ax
-from t5forge.nn import matmul
+from t5forge.nn import matmul, philox
 from t5forge.nn.layers import Dense, Kernel, param_with_axes
 
 # Added to the logits of masked positions. Large and finite so that a fully masked row
@@ -297,6 +297,11 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Ar
                           dropout_rng: jax.Array | None = None) -> jax.Array:
   """softmax(q.k + bias) v, with the softmax in float32.
 
+  Dropout on the attention weights (T5X's: each of [b, h, q, k] kept with probability
+  1 - rate, kept weights scaled by 1 / (1 - rate)) draws its mask from
+  `t5forge.nn.philox`, keyed by `dropout_rng`; the backward pass regenerates the mask
+  from the two seed words instead of keeping it.
+
   Args:
     q: [b, q, h, d]; k, v: [b, k, h, d]; bias, mask_bias: broadcastable to
       [b, h, q, k], or None.
@@ -305,33 +310,36 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Ar
     [b, q, h, d] in v's dtype.
   """
   q, k = _logit_operands(q, k, float32_logits)
-  keep = None
+  seed = None
   if not deterministic and dropout_rate > 0.0:
-    shape = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])  # [b, h, q, k]
-    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, shape)
-  return _attention(q, k, v, bias, mask_bias, keep, dropout_rate)
+    seed = philox.seed_words(dropout_rng)
+  return _attention(q, k, v, bias, mask_bias, seed, dropout_rate)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _attention(q, k, v, bias, mask_bias, keep, dropout_rate):
-  """The attention core with a hand-written backward pass (see `_attention_bwd`)."""
-  return _attention_fwd(q, k, v, bias, mask_bias, keep, dropout_rate)[0]
+def _attention(q, k, v, bias, mask_bias, seed, dropout_rate):
+  """The attention core with a hand-written backward pass (see `_attention_bwd`).
+
+  seed: uint32 [2] Philox seed of the dropout mask, or None (no dropout)."""
+  return _attention_fwd(q, k, v, bias, mask_bias, seed, dropout_rate)[0]
 
 
-def _attention_fwd(q, k, v, bias, mask_bias, keep, dropout_rate):
+def _attention_fwd(q, k, v, bias, mask_bias, seed, dropout_rate):
   logits = _einsum("bqhd,bkhd->bhqk", q, k)  # [b, h, q, k]
   for b in (bias, mask_bias):
     if b is not None:
       logits = logits + b.astype(logits.dtype)
   probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # [b, h, q, k] float32
-  weights = _dropped(probs.astype(v.dtype), keep, dropout_rate)
+  weights = _dropped(probs.astype(v.dtype), seed, dropout_rate)
   out = _einsum("bhqk,bkhd->bqhd", weights, v).astype(v.dtype)  # [b, q, h, d]
-  return out, (q, k, v, bias, mask_bias, keep, probs, out)
+  return out, (q, k, v, bias, mask_bias, seed, probs, out)
 
 
-def _dropped(weights, keep, rate):
-  if keep is None:
+def _dropped(weights, seed, rate):
+  """weights [b, h, q, k] with dropout applied (the mask regenerated from seed)."""
+  if seed is None:
     return weights
+  keep = philox.keep_mask(seed, weights.shape, rate)
   return jnp.where(keep, weights / (1.0 - rate), 0.0).astype(weights.dtype)
 
 
@@ -349,11 +357,11 @@ def _attention_bwd(dropout_rate, res, dout):
   one over [b, h, q, k]. In bfloat16 `out` is rounded, so there the rowsum is taken
   over the float32 probabilities as autodiff does.
   """
-  q, k, v, bias, mask_bias, keep, probs, out = res
-  weights = _dropped(probs.astype(v.dtype), keep, dropout_rate)
+  q, k, v, bias, mask_bias, seed, probs, out = res
+  weights = _dropped(probs.astype(v.dtype), seed, dropout_rate)
   dv = _einsum("bhqk,bqhd->bkhd", weights, dout.astype(v.dtype))  # [b, k, h, d]
   d_weights = _einsum("bqhd,bkhd->bhqk", dout.astype(v.dtype), v).astype(jnp.float32)
-  d_probs = _dropped(d_weights, keep, dropout_rate)  # [b, h, q, k]
+  d_probs = _dropped(d_weights, seed, dropout_rate)  # [b, h, q, k]
   if out.dtype == jnp.float32:
     delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32), out)[..., None]
   else:

@@ -1,0 +1,67 @@
+"""Dropout masks from Philox-2x32-10: Random123's known-answer vectors, and the
+statistics a dropout mask needs (rate, independence across elements and seeds)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from t5forge.nn import philox
+
+
+# Random123's kat_vectors, "philox2x32 10": counter (2 words), key -> output (2 words).
+KAT = [
+    ((0x00000000, 0x00000000), 0x00000000, (0xFF1DAE59, 0x6CD10DF2)),
+    ((0xFFFFFFFF, 0xFFFFFFFF), 0xFFFFFFFF, (0x2C3F628B, 0xAB4FD7AD)),
+    ((0x243F6A88, 0x85A308D3), 0x13198A2E, (0xDD7CE038, 0xF62A4C12)),
+]
+
+
+@pytest.mark.parametrize("counter,key,want", KAT)
+def test_philox2x32_10_matches_random123(counter, key, want):
+  got = jax.jit(philox.philox2x32)(jnp.uint32(counter[0]), jnp.uint32(counter[1]),
+                                   jnp.uint32(key))
+  assert tuple(int(w) for w in got) == want
+
+
+def test_mulhilo_is_the_64_bit_product():
+  b = np.random.default_rng(0).integers(0, 2 ** 32, size=4096, dtype=np.uint64)
+  for a in (0xD256D193, 0xFFFFFFFF, 1, 0x10001):
+    hi, lo = philox._mulhilo(a, jnp.asarray(b.astype(np.uint32)))
+    want = b * np.uint64(a)
+    np.testing.assert_array_equal(np.asarray(hi), (want >> np.uint64(32)).astype(np.uint32))
+    np.testing.assert_array_equal(np.asarray(lo), (want & np.uint64(2 ** 32 - 1)).astype(np.uint32))
+
+
+def _mask(seed: int, shape=(4, 6, 64, 128), rate=0.1) -> np.ndarray:
+  return np.asarray(philox.keep_mask(philox.seed_words(jax.random.key(seed)), shape, rate))
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.5, 0.9])
+def test_keep_fraction_is_one_minus_rate(rate):
+  m = _mask(0, rate=rate)
+  p = 1 - rate
+  sigma = np.sqrt(p * (1 - p) / m.size)
+  assert abs(m.mean() - p) < 5 * sigma, (m.mean(), p)
+  # Every row of every head gets its own draw (no repeated [q, k] blocks or rows).
+  assert abs(m.mean(axis=(2, 3)) - p).max() < 6 * np.sqrt(p * (1 - p) / (64 * 128))
+  assert len({r.tobytes() for r in m.reshape(-1, 128)}) == m.size // 128
+
+
+def test_masks_are_independent_across_elements_and_seeds():
+  p = 0.9
+  a, b = _mask(0).astype(np.float64), _mask(1).astype(np.float64)
+  n = a.size
+  tol = 5 * np.sqrt(p * p * (1 - p * p) / n)
+  # Neighbours along keys and along queries, and the same position under another seed,
+  # are kept together with probability p^2, as independent draws would be.
+  assert abs((a[..., 1:] * a[..., :-1]).mean() - p * p) < tol
+  assert abs((a[..., 1:, :] * a[..., :-1, :]).mean() - p * p) < tol
+  assert abs((a * b).mean() - p * p) < tol
+  # And the same seed gives the same mask.
+  np.testing.assert_array_equal(_mask(0), _mask(0))
+
+
+def test_mask_of_any_rank():
+  for shape in [(1000,), (7, 9), (2, 3, 5, 7, 11)]:
+    m = _mask(3, shape, 0.25)
+    assert m.shape == shape and 0.6 < m.mean() < 0.9
