@@ -1,7 +1,8 @@
 """A benchmark worker: one long-lived process per framework (`python -m bench.worker KIND`).
 
 KIND is `ours` (JAX, bench/ours.py), `hf` (torch + transformers, bench/hf_torch.py) or
-`ct2` (CTranslate2, bench/ct2.py); JAX and torch never share a process.
+`ct2` (CTranslate2, bench/ct2.py); JAX and torch never share a process. An `ours`
+worker keeps freed memory as the t5forge command line does (`t5forge.host_memory`).
 
 Protocol, one JSON object per line: the driver writes `{"op": ..., "args": {...}}` on
 stdin; the worker answers `{"ok": true, "result": ...}` or `{"ok": false, "error": ...}`
@@ -76,6 +77,10 @@ def main(argv=None) -> None:
     proto.write(json.dumps(msg) + "\n")
     proto.flush()
 
+  if kind == "ours":
+    # As the t5forge command line does, before JAX starts its threads.
+    from t5forge import host_memory  # pylint: disable=import-outside-toplevel
+    host_memory.keep_freed_memory()
   try:
     backend = importlib.import_module(BACKENDS[kind]).Backend()
   except Exception:  # pylint: disable=broad-except

@@ -47,9 +47,9 @@ def log(msg: str) -> None:
 class Worker:
   """One framework process. `call`s block until it answers."""
 
-  def __init__(self, kind: str, label: str, log_path: str):
+  def __init__(self, kind: str, label: str, log_path: str, env: dict | None = None):
     self.kind, self.label, self.log_path = kind, label, log_path
-    env = dict(os.environ)
+    env = {**os.environ, **(env or {})}
     env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -148,9 +148,10 @@ class WorkerGroup:
     self.workers: list[Worker] = []
     os.makedirs(log_dir, exist_ok=True)
 
-  def start(self, kind: str, label: str) -> Worker:
+  def start(self, kind: str, label: str, env: dict | None = None) -> Worker:
+    """A worker of `kind` (see bench/worker.py); `env` adds environment variables."""
     slug = "".join(c if c.isalnum() else "_" for c in label)
-    worker = Worker(kind, label, os.path.join(self.log_dir, f"{slug}.log"))
+    worker = Worker(kind, label, os.path.join(self.log_dir, f"{slug}.log"), env)
     self.workers.append(worker)
     return worker
 
