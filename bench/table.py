@@ -168,7 +168,8 @@ def render_train(train: dict, peaks: dict) -> list[str]:
                 "needs ~18 GB and would not fit next to ours in 24 GiB.")
   body = []
   for r in rows:
-    peer = _by(rows, framework="hf", dtype=r["dtype"], optimizer=r["optimizer"])
+    peer = _by(rows, framework="hf", dtype=r["dtype"], optimizer=r["optimizer"],
+               malloc=r.get("malloc"))  # rows with the kept-memory malloc against each other
     vs = r["target_tokens_per_s"] / peer["target_tokens_per_s"] if peer else None
     body.append([r["label"], _fmt(r["step_s"], ".3f"), _fmt(r["target_tokens_per_s"], ".0f"),
                  _fmt(vs, ".2f") + "x", _fmt(r.get("peak_rss_mib"), ".0f"),

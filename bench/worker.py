@@ -2,7 +2,7 @@
 
 KIND is `ours` (JAX, bench/ours.py), `hf` (torch + transformers, bench/hf_torch.py) or
 `ct2` (CTranslate2, bench/ct2.py); JAX and torch never share a process. An `ours`
-worker keeps freed memory as the t5forge command line does (`t5forge.host_memory`).
+worker applies T5FORGE_MALLOC as the t5forge command line does (`t5forge.host_memory`).
 
 Protocol, one JSON object per line: the driver writes `{"op": ..., "args": {...}}` on
 stdin; the worker answers `{"ok": true, "result": ...}` or `{"ok": false, "error": ...}`
@@ -78,7 +78,7 @@ def main(argv=None) -> None:
     proto.flush()
 
   if kind == "ours":
-    # As the t5forge command line does, before JAX starts its threads.
+    # As the t5forge command line does, before JAX starts its threads (T5FORGE_MALLOC=keep).
     from t5forge import host_memory  # pylint: disable=import-outside-toplevel
     host_memory.keep_freed_memory()
   try:

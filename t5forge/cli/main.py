@@ -72,8 +72,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"t5forge: error: unknown command {name!r}; choose one of: {', '.join(COMMANDS)}",
           file=sys.stderr)
     sys.exit(2)
-  # Before JAX starts its threads: reuse freed memory instead of page-faulting every step.
-  host_memory.keep_freed_memory()
+  # Before JAX starts its threads: with T5FORGE_MALLOC=keep, reuse freed memory instead
+  # of page-faulting every step (see t5forge/host_memory.py for what it costs).
+  try:
+    host_memory.keep_freed_memory()
+  except ValueError as e:
+    print(f"t5forge: error: {e}", file=sys.stderr)
+    sys.exit(2)
   try:
     rest, multihost_flags = _pop_multihost_flags(rest)
     if multihost_flags is not None:
