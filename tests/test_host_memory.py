@@ -1,5 +1,6 @@
-"""host_memory.keep_freed_memory (T5FORGE_MALLOC=keep): a repeated XLA computation reuses its freed temporaries
-instead of page-faulting fresh memory every run (counted with getrusage, not timed)."""
+"""host_memory.keep_freed_memory (T5FORGE_MALLOC=keep): a repeated XLA computation reuses
+its freed temporaries instead of page-faulting fresh memory every run (counted with
+getrusage, not timed); a bad value of the variable is a one-line CLI error."""
 import os
 import subprocess
 import sys
@@ -44,3 +45,12 @@ def test_freed_temporaries_are_reused_without_page_faults():
   # 100 MB are ~24,000 pages: glibc's default maps them afresh every run.
   assert default_faults > 15_000, default_faults
   assert faults < 2_000, faults
+
+
+def test_bad_malloc_setting_is_a_one_line_cli_error():
+  env = dict(os.environ, T5FORGE_MALLOC="kept")
+  proc = subprocess.run([sys.executable, "-m", "t5forge", "vocab", "--help"], env=env,
+                        capture_output=True, text=True, check=False)
+  assert proc.returncode == 2
+  assert proc.stderr.strip().splitlines() == [
+      "t5forge: error: T5FORGE_MALLOC='kept': expected 'keep' (reuse freed memory) or 'system'"]
