@@ -3,12 +3,13 @@
 `train(...)` takes T5X's arguments (`model`, `model_dir`, `train_dataset_cfg`,
 `total_steps`, `eval_period`, ...), so T5X run gins bind it unchanged except for paths.
 What it leaves in MODEL_DIR: `config.gin`, `model-info.txt`, `checkpoint_<step>/`,
-TensorBoard events under `train/` and `training_eval/<task>/`, and `metrics.jsonl`.
+TensorBoard events under `train/` and `training_eval/<task>/`, and `metrics.jsonl`; and
+`.lock`, held while the run lasts so that a second run on the same MODEL_DIR refuses
+(see `run_lock.py`).
 """
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import os
 import signal
@@ -26,7 +27,7 @@ from t5forge.sharding import Partitioner
 from t5forge.train import checkpoint as ckpt_lib
 from t5forge.train import hooks
 from t5forge.train import metrics as metrics_lib
-from t5forge.train import model_info, optim
+from t5forge.train import model_info, optim, run_lock
 from t5forge.train.settings import (CheckpointConfig, DatasetConfig, EarlyStopping,
                                     SaveCheckpointConfig, Trainer)
 from t5forge.train.state import TrainState
@@ -130,9 +131,14 @@ def train(*, model: BaseModel, model_dir: str, train_dataset_cfg: DatasetConfig,
       (to check that a resumed run sees exactly the batches of an uninterrupted one).
   """
   seed = 0 if random_seed is None else int(random_seed)
-  run = _Run(model_dir=_prepare_model_dir(model_dir), model=model, seed=seed,
-             partitioner=partitioner or Partitioner(), total_steps=int(total_steps))
+  model_dir = _prepare_model_dir(model_dir)
+  # Before anything is written into MODEL_DIR: one run per MODEL_DIR (one lock per job).
+  lock = run_lock.lock_for_job(model_dir, command="t5forge train",
+                               log=print if jax.process_index() == 0 else lambda *_: None)
+  run = None
   try:
+    run = _Run(model_dir=model_dir, model=model, seed=seed,
+               partitioner=partitioner or Partitioner(), total_steps=int(total_steps))
     run.setup_data(train_dataset_cfg)
     settings = trainer_cls() if callable(trainer_cls) else trainer_cls
     run.setup_state(optimizer or getattr(model, "optimizer", None) or optim.Adafactor(),
@@ -149,7 +155,12 @@ def train(*, model: BaseModel, model_dir: str, train_dataset_cfg: DatasetConfig,
                  run_eval_before_training=run_eval_before_training,
                  show_progress=show_progress)
   finally:
-    run.close()
+    try:
+      if run is not None:
+        run.close()  # waits for the last checkpoint: only then may another run start
+    finally:
+      if lock is not None:
+        lock.release()
 
 
 def _loop(run: "_Run", *, eval_period, stats_period, stopper, run_eval_before_training,
@@ -218,7 +229,7 @@ class _Run:
   def setup_data(self, cfg: DatasetConfig) -> None:
     from t5forge import data  # pylint: disable=import-outside-toplevel
     if cfg.module:
-      importlib.import_module(cfg.module)
+      data.import_task_module(cfg.module, flag="MIXTURE_OR_TASK_MODULE")
     self.global_batch = int(cfg.batch_size)
     self.partitioner.check_batch_size(self.global_batch)
     task = data.get_mixture_or_task(cfg.mixture_or_task_name)

@@ -1,0 +1,200 @@
+"""One training run per MODEL_DIR: a lock on `MODEL_DIR/.lock`.
+
+Two runs writing one MODEL_DIR interleave their steps in metrics.jsonl and leave
+checkpoints of one model beside the other's config.gin, and both exit 0. A run holds
+an exclusive `flock` on `MODEL_DIR/.lock` for as long as it runs; the file records who
+holds it (host, pid, start time, command) so that a second run can refuse with one line
+that says who. The kernel drops a flock when its process dies, however it dies, so on a
+local file system a lock left by a killed run is told from a live one with certainty;
+such a leftover record is taken over with a note. On file systems where flock fails
+(some network and FUSE mounts), the recorded pid decides: a live process on this host
+holds the lock, a dead one is taken over, and another host's record is respected (there
+is no way to see its processes; delete the file when that run is known to be over).
+
+A multi-process job takes one lock, on process 0 (`lock_for_job`); every process learns
+the outcome, so a refused job fails on all of them instead of leaving some waiting in a
+collective. Evaluation (`t5forge eval`) takes no lock: evaluating a MODEL_DIR while it
+trains is T5X's continuous evaluation, and it writes only under `inference_eval/`.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import shlex
+import socket
+import sys
+import time
+
+from t5forge.errors import UserError
+
+LOCK_NAME = ".lock"
+
+
+class RunLock:
+  """An exclusive lock on a directory for one run.
+
+  Args:
+    directory: the MODEL_DIR (created if missing).
+    command: what holds it, as the refusal names it (e.g. "t5forge train").
+
+  `acquire()` returns None, or a note when it took over the lock of a dead process;
+  it raises UserError when a live run holds the lock. Use as a context manager, or call
+  `release()` (idempotent) when the run ends.
+  """
+
+  def __init__(self, directory: str, *, command: str = "t5forge train"):
+    self.directory = os.path.abspath(directory)
+    self.path = os.path.join(self.directory, LOCK_NAME)
+    self.command = command
+    self._fd: int | None = None
+
+  def acquire(self) -> str | None:
+    try:
+      os.makedirs(self.directory, exist_ok=True)
+      fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+      raise UserError(f"cannot create the lock file {self.path} ({e.strerror}); MODEL_DIR must "
+                      "be a directory you can write to") from None
+    try:
+      locked = _flock(fd)
+      if locked is False:
+        raise UserError(self._refusal(_read_record(fd, wait=True)))
+      previous = _read_record(fd)
+      if locked is None and previous and _holder_alive(previous):
+        raise UserError(self._refusal(previous))
+      # Locked (the kernel says nobody else holds it), or no flock here and the recorded
+      # process is gone: any record left is a dead run's.
+      note = _takeover_note(previous)
+      _write_record(fd, {"host": socket.gethostname(), "pid": os.getpid(),
+                         "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                         "command": self.command, "argv": shlex.join(sys.argv)})
+    except BaseException:
+      os.close(fd)  # closing drops the flock too
+      raise
+    self._fd = fd
+    return note
+
+  def _refusal(self, record: dict | None) -> str:
+    record = record or {}
+    orphan = ""
+    if record and not _holder_alive(record):
+      # The flock outlived the recorded process: a child it forked still has the file.
+      orphan = f"; pid {record.get('pid')} is gone but a process it started holds the lock"
+    return (f"MODEL_DIR {self.directory} is in use by pid {record.get('pid', '?')} on host "
+            f"{record.get('host', '?')} since {record.get('since', '?')} "
+            f"({record.get('command', '?')}){orphan}; wait for it, or use another MODEL_DIR")
+
+  def release(self) -> None:
+    """Empties the record (a clean end leaves nothing to take over), then unlocks."""
+    if self._fd is None:
+      return
+    fd, self._fd = self._fd, None
+    try:
+      os.ftruncate(fd, 0)
+    except OSError:
+      pass  # the lock still goes with the close below
+    os.close(fd)
+
+  @property
+  def held(self) -> bool:
+    return self._fd is not None
+
+  def __enter__(self) -> "RunLock":
+    note = self.acquire()
+    if note:
+      print(note, flush=True)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.release()
+
+
+def _flock(fd: int) -> bool | None:
+  """True: locked now; False: another open file holds it; None: flock does not work here."""
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return True
+  except OSError as e:
+    if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):  # EACCES: some NFS clients
+      return False
+    return None  # ENOLCK, EOPNOTSUPP, EINVAL: no working flock on this file system
+
+
+def _read_record(fd: int, *, wait: bool = False) -> dict | None:
+  """The holder's record; {} when unreadable, None when empty. With `wait`, gives a holder
+  that has just taken the lock up to a second to write its record."""
+  deadline = time.monotonic() + (1.0 if wait else 0.0)
+  while True:
+    raw = os.pread(fd, 1 << 16, 0)
+    if raw.strip() or time.monotonic() >= deadline:
+      break
+    time.sleep(0.05)
+  if not raw.strip():
+    return None
+  try:
+    record = json.loads(raw.decode("utf-8"))
+    return record if isinstance(record, dict) else {}
+  except (UnicodeDecodeError, ValueError):
+    return {}  # a torn or foreign file: nobody we can name
+
+
+def _write_record(fd: int, record: dict) -> None:
+  data = (json.dumps(record) + "\n").encode("utf-8")
+  os.ftruncate(fd, 0)
+  os.pwrite(fd, data, 0)
+  os.fsync(fd)
+
+
+def _holder_alive(record: dict) -> bool:
+  """Whether the recorded holder may still run: its pid lives on this host, or it is on
+  another host (whose processes cannot be seen from here)."""
+  if record.get("host") != socket.gethostname():
+    return True
+  try:
+    pid = int(record.get("pid"))
+  except (TypeError, ValueError):
+    return False
+  if pid == os.getpid():
+    return True  # this process, through another RunLock
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True  # exists, owned by someone else
+  return True
+
+
+def _takeover_note(record: dict | None) -> str | None:
+  if not record:
+    return None
+  return (f"note: took over the lock of pid {record.get('pid', '?')} on host "
+          f"{record.get('host', '?')}, which is no longer running")
+
+
+def lock_for_job(directory: str, *, command: str = "t5forge train",
+                 log=print) -> RunLock | None:
+  """The lock of a (possibly multi-process) job: process 0 takes it, every process
+  learns the outcome and raises the same UserError when it was refused.
+
+  Returns:
+    the held RunLock on process 0, None on the others.
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+  from t5forge import multihost  # pylint: disable=import-outside-toplevel
+  lock, error = None, None
+  if jax.process_index() == 0:
+    lock = RunLock(directory, command=command)
+    try:
+      note = lock.acquire()
+      if note:
+        log(note)
+    except UserError as e:
+      lock, error = None, str(e)
+  if jax.process_count() > 1:
+    error = multihost.gather_json(error)[0]
+  if error:
+    raise UserError(error)
+  return lock
