@@ -83,7 +83,7 @@ class InferenceEvaluator:
                write_predictions: bool = True, metric_writer=None):
     from t5forge import data  # pylint: disable=import-outside-toplevel
     if dataset_cfg.module:
-      __import__(dataset_cfg.module)
+      data.import_task_module(dataset_cfg.module, flag="--module / MIXTURE_OR_TASK_MODULE")
     self.model = model
     self.partitioner = partitioner or Partitioner()
     self.output_dir = output_dir or os.path.join(model_dir or ".", "inference_eval")

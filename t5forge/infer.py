@@ -219,6 +219,16 @@ def _merge(base: str, n_chunks: int) -> None:
     os.remove(stale)
 
 
+def check_model_fits(model, ckpt) -> None:
+  """UserError naming the first parameter where a model gin's MODEL and the checkpoint
+  disagree (the model gin of another size), instead of a shape error inside jit."""
+  from t5forge import nn  # pylint: disable=import-outside-toplevel
+  mismatch = nn.params_mismatch(model.config, ckpt.params)
+  if mismatch:
+    raise UserError(f"{ckpt.path}: {mismatch}; the model gin does not match this checkpoint: "
+                    "include the model gin of the checkpoint's architecture and size")
+
+
 def infer_task(*, dataset_cfg, restore_checkpoint_cfg, output_dir: str, model=None,
                mode: str = "predict", partitioner: Partitioner | None = None,
                decode_options: DecodeOptions | None = None, chunk_size: int = 1024,
@@ -230,11 +240,14 @@ def infer_task(*, dataset_cfg, restore_checkpoint_cfg, output_dir: str, model=No
   from t5forge.convert import load_checkpoint, native  # pylint: disable=import-outside-toplevel
   from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
   if dataset_cfg.module:
-    __import__(dataset_cfg.module)
+    from t5forge.data import import_task_module  # pylint: disable=import-outside-toplevel
+    import_task_module(dataset_cfg.module, flag="MIXTURE_OR_TASK_MODULE")
   path = restore_checkpoint_cfg.path
   if restore_checkpoint_cfg.mode == "latest":
     path = native.latest_checkpoint(path) or path
-  ckpt = load_checkpoint(path)
+  # A model gin's layout and weight type apply to the checkpoint as it is read.
+  ckpt = load_checkpoint(path, **({} if model is None else {
+      "scan_layers": model.config.scan_layers, "weight_dtype": model.config.weight_dtype}))
   examples, task = examples_from_task(dataset_cfg.mixture_or_task_name, dataset_cfg.split)
   vocab = (vocab_io.from_spec(ckpt.extras.get("vocabulary")) if ckpt.format == "t5forge" else
            vocab_io.from_hf_dir(ckpt.path) if ckpt.format == "hf" else None)
@@ -243,6 +256,7 @@ def infer_task(*, dataset_cfg, restore_checkpoint_cfg, output_dir: str, model=No
     model = models.model_for(ckpt.config, vocabulary=vocab)
   elif model.vocabulary is None:  # a model gin's VOCABULARY = None: the checkpoint's / task's
     model.vocabulary = vocab
+  check_model_fits(model, ckpt)
   lengths = dict(dataset_cfg.task_feature_lengths or {})
   return infer(model=model, params=jax.device_put(ckpt.params), examples=examples,
                output_dir=output_dir, name=dataset_cfg.mixture_or_task_name, step=ckpt.step,

@@ -14,13 +14,23 @@ import argparse
 from t5forge.cli import decode_flags, gin_flags
 
 
-def _lengths(text: str | None):
+def _lengths(text: str | None) -> dict[str, int] | None:
+  """'inputs=512,targets=128' -> {'inputs': 512, 'targets': 128}; None when not given."""
   if not text:
     return None
   out = {}
   for part in text.split(","):
-    k, _, v = part.partition("=")
-    out[k.strip()] = int(v)
+    k, eq, v = part.partition("=")
+    try:
+      if not eq or not k.strip():
+        raise ValueError
+      out[k.strip()] = int(v)
+      if out[k.strip()] <= 0:
+        raise ValueError
+    except ValueError:
+      from t5forge.errors import UserError  # pylint: disable=import-outside-toplevel
+      raise UserError(f"--feature_lengths {text!r}: {part.strip()!r} is not NAME=LENGTH with a "
+                      "positive integer; write e.g. --feature_lengths inputs=512,targets=128") from None
   return out
 
 

@@ -3,14 +3,24 @@
 
 Search paths always include the working directory, t5forge's `configs/` directory (so
 `include 'runs/finetune.gin'` works) and the directory holding the `t5forge` package
-(so `include 't5forge/configs/runs/finetune.gin'` works too).
+(so `include 't5forge/configs/runs/finetune.gin'` works too), from any working directory.
+`--gin_search_paths` directories are also put on `sys.path` (after what is there), so a
+gin file's `import tasks` finds `tasks.py` in them, as with T5X's `PYTHONPATH` advice.
+
+What gin would accept silently and we refuse, each with one line: a command-line macro
+that no configuration uses (`--gin.TRAIN_STEPZ=10`: "did you mean TRAIN_STEPS?"), and an
+unquoted string value (`--gin.MODEL_DIR=runs/x`).
 """
 from __future__ import annotations
 
+import ast
+import difflib
 import logging
 import os
 import re
-from typing import Callable, Sequence
+import sys
+import tokenize
+from typing import Any, Callable, Sequence
 
 from t5forge.errors import UserError
 
@@ -60,27 +70,104 @@ def _describe_binding(binding: str, sources: dict[str, str]) -> str:
 def parse(files: Sequence[str], bindings: Sequence[str], search_paths: Sequence[str] = ()) -> None:
   """Parses gin files and bindings, translating gin's errors into UserErrors."""
   import gin  # pylint: disable=import-outside-toplevel
+  from gin import config as gin_config  # pylint: disable=import-outside-toplevel
   gin.clear_config()
+  _guard_package_reader(gin_config)
   for path in [os.getcwd(), CONFIGS_DIR, PACKAGE_PARENT, *search_paths]:
-    gin.add_config_file_search_path(path)
+    if path not in gin_config._LOCATION_PREFIXES:  # pylint: disable=protected-access
+      gin.add_config_file_search_path(path)
+  for path in search_paths:  # T5X: "the Gin file and python modules" come from these
+    path = os.path.abspath(path)
+    if path not in sys.path:
+      sys.path.append(path)
   if not files:
     raise UserError("no --gin_file given; e.g. --gin_file=t5forge/configs/examples/"
                     "bible_translate_from_scratch.gin")
-  # A binding of a macro that is not quoted (--gin.MODEL_DIR=/tmp/x) is the most common slip.
   for b in bindings:
-    name, _, value = b.partition("=")
-    value = value.strip()
-    if value.startswith("/") or value.startswith("~"):
-      raise UserError(f"--gin.{name.strip()}={value}: gin needs strings quoted; write "
-                      f"--gin.{name.strip()}=\\\"{value}\\\"")
+    _check_binding_value(b)
   quiet = _DropPathNotFound()
   logging.getLogger().addFilter(quiet)
   try:
-    gin.parse_config_files_and_bindings(list(files), list(bindings), finalize_config=True)
+    gin.parse_config_files_and_bindings(list(files), list(bindings), finalize_config=False)
+    _check_macros_used(gin_config, bindings)
+    gin.finalize()
+  except tokenize.TokenError as e:  # gin's tokenizer does not say which file
+    line = e.args[1][0] if len(e.args) > 1 else "?"
+    raise UserError(f"gin syntax error: {e.args[0]} at line {line} of {', '.join(files)} or a "
+                    "file it includes (an unclosed bracket or quote?)") from None
   except (ValueError, KeyError, SyntaxError, ImportError, OSError, TypeError, NameError) as e:
     raise UserError(explain(e)) from None
   finally:
     logging.getLogger().removeFilter(quiet)
+
+
+def _check_binding_value(binding: str) -> None:
+  """A command-line value gin cannot read as a literal or reference is almost always a
+  string without quotes (--gin.MODEL_DIR=runs/x); gin's own message for it is
+  `malformed node or string ... <ast.Name ...>`."""
+  name, eq, value = binding.partition("=")
+  name, value = name.strip(), value.strip()
+  if not eq or not value or value[0] in "@%[{(\"'" or "\n" in binding:
+    return
+  try:
+    ast.literal_eval(value)
+  except (ValueError, SyntaxError):
+    raise UserError(f"--gin.{name}={value}: not a gin value; strings need quotes: write "
+                    f"--gin.{name}=\\\"{value}\\\"") from None
+
+
+_MACRO_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _check_macros_used(gin_config: Any, bindings: Sequence[str]) -> None:
+  """Refuses a command-line macro (NAME=VALUE) that no binding refers to as %NAME: gin
+  accepts it and changes nothing (--gin.TRAIN_STEPZ=10)."""
+  defined = {key[0] for key in gin_config._CONFIG if key[1] == "gin.macro"}  # pylint: disable=protected-access
+  referenced: set[str] = set()
+
+  def walk(value: Any) -> None:
+    if isinstance(value, gin_config.ConfigurableReference):
+      if value.selector == "gin.macro" or value.selector.endswith(".macro"):
+        referenced.add("/".join(value.scopes))
+    elif isinstance(value, dict):
+      for v in value.values():
+        walk(v)
+    elif isinstance(value, (list, tuple, set)):
+      for v in value:
+        walk(v)
+
+  for params in gin_config._CONFIG.values():  # pylint: disable=protected-access
+    walk(params)
+  for b in bindings:
+    name = b.partition("=")[0].strip()
+    if _MACRO_NAME.match(name) and name in defined and name not in referenced:
+      known = sorted(referenced | defined - {x.partition("=")[0].strip() for x in bindings})
+      close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+      hint = (f"; did you mean --gin.{close[0]}?" if close else
+              f"; the macros these gin files use: {', '.join(sorted(referenced)) or 'none'}")
+      raise UserError(f"--gin.{name}: no gin file uses the macro {name}, so it would change "
+                      f"nothing{hint}")
+
+
+def _guard_package_reader(gin_config: Any) -> None:
+  """gin's package reader (gin/resource_reader.py) reads `a/b/x.gin` as file x.gin of the
+  Python package `a.b`; for a folder without `__init__.py` that Python still imports as a
+  namespace package (a user's `runs/`, or `t5forge/configs/examples`) it raises TypeError
+  instead of answering "not there", and the search stops. Answer "not there" instead, so
+  the next search path is tried."""
+  readers = gin_config._FILE_READERS  # pylint: disable=protected-access
+  for i, (reader, exists) in enumerate(readers):
+    if getattr(exists, "_t5forge_guarded", False):
+      continue
+
+    def guarded(path, _exists=exists):
+      try:
+        return _exists(path)
+      except TypeError:  # a namespace package has no origin
+        return False
+
+    guarded._t5forge_guarded = True  # pylint: disable=protected-access
+    readers[i] = (reader, guarded)
 
 
 class _DropPathNotFound(logging.Filter):
@@ -128,7 +215,8 @@ def explain(e: BaseException) -> str:
   if m:
     return f"gin reference {m.group(1) or m.group(2)!r} is not defined{_where(msg)}"
   if isinstance(e, ImportError):
-    return f"gin file imports a module that cannot be imported: {first}"
+    return (f"a gin file imports a module that cannot be imported ({first}){_where(msg)}; "
+            "put the directory that holds it on PYTHONPATH, or pass it with --gin_search_paths")
   return f"gin config error: {first}{_where(msg)}"
 
 

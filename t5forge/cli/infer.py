@@ -64,7 +64,8 @@ def main(argv: list[str]) -> int:
   from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
   from t5forge.data.vocab import SentencePieceVocabulary  # pylint: disable=import-outside-toplevel
   if args.module:
-    __import__(args.module)
+    from t5forge.data import import_task_module  # pylint: disable=import-outside-toplevel
+    import_task_module(args.module)
   ckpt = load_checkpoint(args.checkpoint, **decode_flags.runtime_overrides(args))
   vocab = (SentencePieceVocabulary(args.vocabulary, extra_ids=100) if args.vocabulary else
            vocab_io.from_spec(ckpt.extras.get("vocabulary")) if ckpt.format == "t5forge" else

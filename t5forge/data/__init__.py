@@ -17,7 +17,7 @@ from t5forge.data.sources import (ArrayRecordDataSource, DataSource, FunctionDat
                                   TsvDataSource)
 from t5forge.data.tasks import (Feature, Mixture, MixtureRegistry, ShardInfo, Task, TaskRegistry,
                                 get_dataset, get_mixture_or_task, get_vocabulary,
-                                mixing_rate_num_examples)
+                                import_task_module, mixing_rate_num_examples)
 from t5forge.data.vocab import (ByteVocabulary, PassThroughVocabulary, SentencePieceVocabulary,
                                 Vocabulary)
 from t5forge.data import bundled_tasks  # registers the bundled tasks
@@ -41,6 +41,7 @@ __all__ = [
     "InMemoryDataSource", "JsonlDataSource", "LMFeatureConverter", "Mixture", "MixtureRegistry",
     "PassThroughVocabulary", "PrefixLMFeatureConverter", "SentencePieceVocabulary", "ShardInfo",
     "Task", "TaskRegistry", "TextLineDataSource", "TsvDataSource", "Vocabulary", "bundled_tasks",
-    "get_converter", "get_dataset", "get_mixture_or_task", "get_vocabulary", "map_over_dataset",
+    "get_converter", "get_dataset", "get_mixture_or_task", "get_vocabulary", "import_task_module",
+    "map_over_dataset",
     "mixing_rate_num_examples", "preprocessors", *_PIPELINE_NAMES,
 ]

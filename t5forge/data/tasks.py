@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 import inspect
 import logging
 import os
+import sys
 import threading
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -512,7 +514,40 @@ def _unknown(name: str, kind: str, candidates: Sequence[str]) -> UserError:
   else:
     hint = ""
   listing = "" if close else f"; registered: {', '.join(sorted(candidates)) or 'none'}"
-  return UserError(f"unknown {kind} {name!r}{hint}{listing}")
+  return UserError(f"unknown {kind} {name!r}{hint}{listing}. Your own tasks are registered "
+                   "when their module is imported: pass --module tasks (CLI), set "
+                   "MIXTURE_OR_TASK_MODULE = 'tasks' or add `import tasks` to the gin file, with "
+                   "its directory on PYTHONPATH")
+
+
+def import_task_module(name: str, *, flag: str = "--module") -> None:
+  """Imports the module that registers a user's tasks (a T5X `tasks.py`).
+
+  The working directory is searched after sys.path, as `python -m` does, so that
+  `--module tasks` finds ./tasks.py under the `t5forge` console script too.
+
+  Raises:
+    UserError: the module cannot be imported (one line: which, why, and PYTHONPATH).
+  """
+  cwd = os.getcwd()
+  if cwd not in sys.path and "" not in sys.path:
+    sys.path.append(cwd)
+  try:
+    importlib.import_module(name)
+  except ModuleNotFoundError as e:
+    missing = e.name or ""
+    if name == missing or name.startswith(missing + "."):
+      raise UserError(f"{flag} {name}: no module {missing!r} found; put the directory that holds "
+                      f"{name.replace('.', '/')}.py on PYTHONPATH (PYTHONPATH=/path/to/dir "
+                      "t5forge ...) or pass it with --gin_search_paths") from None
+    hint = (" (SeqIO names live in t5forge.data: `from t5forge import data as seqio`, see "
+            "t5forge/data/README.md)" if missing.split(".")[0] in ("seqio", "t5", "tensorflow")
+            else "; install it")
+    raise UserError(f"{flag} {name}: it imports {missing!r}, which is not installed{hint}") from None
+  except (ImportError, SyntaxError) as e:
+    where = f" ({e.filename}:{e.lineno})" if isinstance(e, SyntaxError) else ""
+    raise UserError(f"{flag} {name}: importing it failed{where}: "
+                    f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
 
 
 def get_mixture_or_task(name: str) -> Task | Mixture:

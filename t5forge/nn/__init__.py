@@ -53,5 +53,26 @@ def count_params(tree) -> int:
   return sum(int(x.size) for x in jax.tree.leaves(tree))
 
 
+def named_leaves(tree) -> dict:
+  """{'decoder/layers_0/self_attention/query/kernel': leaf, ...}: leaves keyed by path."""
+  return {"/".join(str(getattr(k, "key", k)) for k in path): leaf
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def params_mismatch(config: ModelConfig, params) -> str | None:
+  """How `params` differ from what a model of `config` holds: the first missing,
+  extra or differently shaped parameter, in words; None when they fit."""
+  want, have = named_leaves(abstract_params(config)), named_leaves(params)
+  for name, spec in want.items():
+    if name not in have:
+      return f"has no parameter {name!r}"
+    if tuple(have[name].shape) != tuple(spec.shape):
+      return (f"parameter {name!r} has shape {tuple(have[name].shape)} but the model needs "
+              f"{tuple(spec.shape)}")
+  extra = sorted(set(have) - set(want))
+  return f"has a parameter {extra[0]!r} the model does not" if extra else None
+
+
 __all__ = ["ModelConfig", "EncoderDecoder", "DecoderOnly", "build", "abstract_params",
-           "logical_axes", "init_params", "count_params", "ENCODER_DECODER", "DECODER_ONLY"]
+           "logical_axes", "init_params", "count_params", "named_leaves", "params_mismatch",
+           "ENCODER_DECODER", "DECODER_ONLY"]
