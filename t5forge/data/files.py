@@ -7,14 +7,21 @@ writable, and rebuilt when the file's size or mtime changes. Reading line i is
 then one `os.pread`. Gzipped files are decompressed once into the cache dir
 (gzip cannot seek) and indexed there.
 
-The cache dir is `$T5FORGE_CACHE` (default `~/.cache/t5forge`).
+The cache dir (`cache_root()`) holds those copies and indexes, the vocabularies loaded
+from checkpoints (`vocab/`) and the offline stage of `cache=True` tasks (`tasks/`). It is
+`$T5FORGE_CACHE` when set, else `$XDG_CACHE_HOME/t5forge`, else `~/.cache/t5forge`.
+`T5FORGE_CACHE=off` (or `none`) keeps nothing between runs: all of it, line indexes of
+plain files included, goes to a temporary directory of the process (shared with the
+processes it starts) that is removed when it exits.
 """
 from __future__ import annotations
 
+import atexit
 import glob
 import gzip
 import hashlib
 import os
+import shutil
 import tempfile
 import threading
 from collections.abc import Iterator, Sequence
@@ -26,9 +33,50 @@ from t5forge.errors import UserError
 _CHUNK = 16 << 20  # bytes read per step while indexing: bounds the memory used
 
 
+_OFF = ("off", "none")
+# The temporary cache of T5FORGE_CACHE=off, named in the environment so that processes
+# started from this one (Grain's workers) reuse it instead of redoing the work.
+_TEMP_ENV = "T5FORGE_CACHE_TEMP"
+_temp_root: str | None = None
+_temp_lock = threading.Lock()
+
+
+def cache_enabled() -> bool:
+  """False when T5FORGE_CACHE is `off` or `none`: nothing is kept between runs."""
+  return os.environ.get("T5FORGE_CACHE", "").strip().lower() not in _OFF
+
+
 def cache_root() -> str:
-  """The user cache dir: `$T5FORGE_CACHE`, default `~/.cache/t5forge`."""
-  return os.path.expanduser(os.environ.get("T5FORGE_CACHE") or "~/.cache/t5forge")
+  """The cache dir: `$T5FORGE_CACHE`, else `$XDG_CACHE_HOME/t5forge`, else
+  `~/.cache/t5forge`; with T5FORGE_CACHE=off, a temporary directory removed at exit."""
+  value = os.environ.get("T5FORGE_CACHE", "").strip()
+  if value.lower() in _OFF:
+    return _temporary_root()
+  if value:
+    return os.path.expanduser(value)
+  xdg = os.environ.get("XDG_CACHE_HOME", "")
+  if os.path.isabs(xdg):  # the XDG spec: a relative path is invalid and ignored
+    return os.path.join(xdg, "t5forge")
+  return os.path.expanduser("~/.cache/t5forge")
+
+
+def _temporary_root() -> str:
+  global _temp_root
+  with _temp_lock:
+    if _temp_root is None or not os.path.isdir(_temp_root):
+      inherited = os.environ.get(_TEMP_ENV, "")
+      if inherited and os.path.isdir(inherited):
+        _temp_root = inherited  # the process that made it removes it
+      else:
+        _temp_root = tempfile.mkdtemp(prefix="t5forge-cache-")
+        os.environ[_TEMP_ENV] = _temp_root
+        atexit.register(_remove_temporary_root, _temp_root, os.getpid())
+    return _temp_root
+
+
+def _remove_temporary_root(path: str, owner: int) -> None:
+  if os.getpid() == owner:  # not in a forked child that happens to run atexit
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _publish(tmp: str, path: str) -> None:
@@ -134,13 +182,14 @@ def _plain_copy(path: str) -> str:
 
 
 def _index_paths(plain: str, origin: str) -> list[str]:
-  """Where an index may live: next to the file first, then in the cache dir."""
+  """Where an index may live: next to the file first, then in the cache dir (only there
+  with the cache off: nothing is left beside the user's data)."""
   name = f".{os.path.basename(plain)}.t5forge-lines.npy"
   beside = os.path.join(os.path.dirname(os.path.abspath(plain)), name)
   cached = os.path.join(cache_root(), "lines", f"{_key(plain)}.idx.npy")
   if plain != origin:  # a decompressed copy already lives in the cache dir
     return [beside]
-  return [beside, cached]
+  return [beside, cached] if cache_enabled() else [cached]
 
 
 def _build_index(plain: str, origin: str) -> np.ndarray:

@@ -1,8 +1,8 @@
 """Real text that ships with CPython: stdlib docstrings and `pydoc_data` help topics.
 
 Built at first use from the running interpreter's standard library, by reading
-the `.py` files with `ast` (nothing is imported), and cached under
-`$T5FORGE_CACHE` with atomic writes. The splits are fixed by a hash of each
+the `.py` files with `ast` (nothing is imported), and cached in the cache dir
+(`files.cache_root()`) with atomic writes. The splits are fixed by a hash of each
 item's name (or text), so they do not move when the stdlib gains a function.
 
 * `docstring_split_files()`: JSONL `{"name", "document", "summary"}` per
