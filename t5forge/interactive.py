@@ -274,10 +274,13 @@ class Model:
                 extra_config={"vocabulary": vocab_io.to_spec(self.vocabulary)})
 
   def save_hf(self, path: str) -> None:
-    """Writes an HF directory that `T5ForConditionalGeneration.from_pretrained` loads."""
+    """Writes an HF directory that `T5ForConditionalGeneration.from_pretrained` loads, with
+    the tokenizer of the model's vocabulary (`AutoTokenizer.from_pretrained`)."""
     self._refuse_int8("save_hf")
     tok_dir = self.checkpoint.path if self.checkpoint and self.checkpoint.format == "hf" else None
-    hf.save_hf(jax.tree.map(np.asarray, self.params), self.config, path, tokenizer_dir=tok_dir)
+    for note in hf.save_hf(jax.tree.map(np.asarray, self.params), self.config, path,
+                           vocabulary=self.vocabulary, tokenizer_dir=tok_dir):
+      print(f"note: {note}")
 
 
 def load(path: str, *, vocabulary=None, **overrides) -> Model:
@@ -293,10 +296,7 @@ def load(path: str, *, vocabulary=None, **overrides) -> Model:
   from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
   ckpt = load_checkpoint(path, **overrides)
   if vocabulary is None:
-    if ckpt.format == "t5forge":
-      vocabulary = vocab_io.from_spec(ckpt.extras.get("vocabulary"))
-    elif ckpt.format == "hf":
-      vocabulary = vocab_io.from_hf_dir(ckpt.path)
+    vocabulary = vocab_io.of_checkpoint(ckpt)
   return Model(ckpt.config, ckpt.params, source=f"{ckpt.format}:{ckpt.path}", checkpoint=ckpt,
                vocabulary=vocabulary)
 

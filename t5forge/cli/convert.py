@@ -1,7 +1,9 @@
 """`t5forge convert --input PATH --output DIR --to {t5forge,hf}`.
 
 Reads any checkpoint t5forge understands (HF directory, T5X checkpoint, t5forge
-checkpoint or MODEL_DIR) and writes it as a t5forge checkpoint or an HF directory.
+checkpoint or MODEL_DIR) and writes it as a t5forge checkpoint or an HF directory, with
+the vocabulary stored in the input (an HF directory gets the tokenizer files that
+transformers' AutoTokenizer loads).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ def main(argv: list[str]) -> int:
   args = parser.parse_args(argv)
 
   from t5forge.convert import hf, load_checkpoint, native, relayout  # pylint: disable=import-outside-toplevel
+  from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
   from t5forge.nn import count_params  # pylint: disable=import-outside-toplevel
   ckpt = load_checkpoint(args.input)
   print(f"read {ckpt.format} checkpoint {ckpt.path}: {count_params(ckpt.params):,} parameters, "
@@ -28,15 +31,22 @@ def main(argv: list[str]) -> int:
     n = len(jax.tree.leaves(ckpt.extras["param_states"]))
     print(f"note: not converted: T5X optimizer state ({n} arrays) and step {ckpt.step}; "
           "the parameters are complete")
+  vocab = vocab_io.of_checkpoint(ckpt)
   if args.to == "hf":
     if ckpt.config.scan_layers:
       ckpt.params = relayout(ckpt.params, scanned=True, to_scanned=False)
       ckpt.config = ckpt.config.replace(scan_layers=False)
-    hf.save_hf(ckpt.params, ckpt.config, args.output,
-               tokenizer_dir=ckpt.path if ckpt.format == "hf" else None)
+    notes = hf.save_hf(ckpt.params, ckpt.config, args.output, vocabulary=vocab,
+                       tokenizer_dir=ckpt.path if ckpt.format == "hf" else None)
   elif args.to == "t5forge":
-    native.save(args.output, ckpt.config, ckpt.params)
+    native.save(args.output, ckpt.config, ckpt.params,
+                extra_config={"vocabulary": vocab_io.to_spec(vocab)})
+    notes = [] if vocab is not None else [
+        "no vocabulary written: the input stores none; `t5forge infer` will need --vocabulary"]
   else:  # argparse already restricts the choices
     raise UserError(f"--to {args.to!r}: choose t5forge or hf")
-  print(f"wrote {args.to} checkpoint to {args.output}")
+  for note in notes:
+    print(f"note: {note}")
+  print(f"wrote {args.to} checkpoint to {args.output}"
+        + (f" with its vocabulary ({vocab_io.describe(vocab)})" if vocab is not None else ""))
   return 0

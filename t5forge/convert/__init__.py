@@ -72,6 +72,14 @@ def _download(name: str) -> str:
         f"(`hf download {name}`) and pass the local directory.") from None
 
 
+def local_path(path: str) -> str:
+  """`path` itself, or where a Hugging Face Hub name such as `google/flan-t5-small` was
+  downloaded to (when it is not a local path)."""
+  if not os.path.exists(path) and _looks_like_hub_name(path):
+    return _download(path)
+  return path
+
+
 def detect_format(path: str) -> str:
   """'t5forge', 'hf' or 't5x' for an existing local path; UserError otherwise."""
   if os.path.isdir(path):
@@ -121,8 +129,7 @@ def load_checkpoint(path: str, **overrides) -> LoadedCheckpoint:
   if bad:
     raise UserError(f"cannot override {bad} when loading a checkpoint; only "
                     f"{list(RUNTIME_FIELDS)} may change")
-  if not os.path.exists(path) and _looks_like_hub_name(path):
-    path = _download(path)
+  path = local_path(path)
   fmt = detect_format(path)
   step, extras = 0, {}
   if fmt == T5FORGE:

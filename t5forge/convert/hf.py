@@ -3,7 +3,8 @@
 Reads a local directory holding `config.json` and weights as `model.safetensors`,
 `pytorch_model.bin`, or sharded `*.index.json` files; writes a directory that
 `transformers.T5ForConditionalGeneration.from_pretrained` loads (transformers 4.x and
-5.x). Covers T5 1.0, T5.1.1, Flan-T5, mT5 and ByT5 (`model_type` t5 or mt5).
+5.x), with the tokenizer files `AutoTokenizer.from_pretrained` loads. Covers T5 1.0,
+T5.1.1, Flan-T5, mT5 and ByT5 (`model_type` t5 or mt5).
 
 Tied output layers: transformers 4.x wrote `"tie_word_embeddings": false` for T5.1.1 /
 Flan-T5 and stored a separate `lm_head.weight`; 5.x always writes `true` and records the
@@ -316,13 +317,22 @@ def params_to_state(params: dict, config: ModelConfig) -> dict[str, np.ndarray]:
   return state
 
 
-def save_hf(params: dict, config: ModelConfig, out_dir: str, *,
-            tokenizer_dir: str | None = None) -> None:
-  """Writes config.json + model.safetensors (+ tokenizer files found in tokenizer_dir).
+def save_hf(params: dict, config: ModelConfig, out_dir: str, *, vocabulary=None,
+            tokenizer_dir: str | None = None) -> list[str]:
+  """Writes config.json + model.safetensors + the tokenizer.
+
+  The tokenizer files are copied from `tokenizer_dir` (an HF directory read before) when
+  it has them and `vocabulary` is None or the same as that directory's; else they are
+  written from `vocabulary` (`vocab_io.write_hf_tokenizer`: spiece.model, tokenizer.json,
+  tokenizer_config.json ... that transformers' AutoTokenizer loads).
 
   The directory appears complete or not at all: everything is written to a temporary
   sibling that is renamed into place.
+
+  Returns:
+    Notes for the user, e.g. that no tokenizer could be written.
   """
+  from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
   from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
   hf_config = hf_config_from(config)
   state = params_to_state(params, config)
@@ -337,11 +347,16 @@ def save_hf(params: dict, config: ModelConfig, out_dir: str, *,
   with open(os.path.join(tmp, "generation_config.json"), "w", encoding="utf-8") as f:
     json.dump({"decoder_start_token_id": 0, "eos_token_id": 1, "pad_token_id": 0}, f, indent=2)
   save_file(state, os.path.join(tmp, SAFETENSORS), metadata={"format": "pt"})
-  if tokenizer_dir:
-    for name in TOKENIZER_FILES:
-      src = os.path.join(tokenizer_dir, name)
-      if os.path.isfile(src):
-        shutil.copy(src, os.path.join(tmp, name))
+  copy = [os.path.join(tokenizer_dir, n) for n in TOKENIZER_FILES
+          if tokenizer_dir and os.path.isfile(os.path.join(tokenizer_dir, n))]
+  if copy and (vocabulary is None
+               or vocab_io.difference(vocabulary, vocab_io.from_hf_dir(tokenizer_dir)) is None):
+    for src in copy:  # the original files, byte for byte
+      shutil.copy(src, os.path.join(tmp, os.path.basename(src)))
+    notes = []
+  else:
+    notes = vocab_io.write_hf_tokenizer(vocabulary, tmp)
   if os.path.exists(out_dir):
     os.rmdir(out_dir)
   os.rename(tmp, out_dir)
+  return notes
