@@ -39,9 +39,11 @@ def main(argv: list[str]) -> int:
       return 0
   model_dir = gin.query_parameter("MODEL_DIR/macro.value") if _has_macro("MODEL_DIR") else None
   print(f"training stopped at step {result.step} ({result.stopped})")
-  if result.train_metrics:
-    print(f"  train loss {result.train_metrics.get('loss', float('nan')):.4g}, "
-          f"accuracy {result.train_metrics.get('accuracy', float('nan')):.3f}")
+  if result.train_metrics:  # per token, as the progress lines (T5X's `loss` is a sum)
+    m = result.train_metrics
+    print(f"  train loss per target token "
+          f"{m.get('loss_per_nonpadding_target_token', float('nan')):.3f}, "
+          f"accuracy {m.get('accuracy', float('nan')):.3f}")
   if model_dir:
     print(f"  checkpoints, config.gin, model-info.txt, metrics.jsonl: {model_dir}")
     print(f"  TensorBoard: tensorboard --logdir {model_dir}")

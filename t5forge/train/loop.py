@@ -184,15 +184,16 @@ def _loop(run: "_Run", *, eval_period, stats_period, stopper, run_eval_before_tr
       if window_start is None:  # the first step includes compilation
         jax.block_until_ready(sums)
         progress.write(f"first step (compile + run) took {time.time() - t_first:.1f} s")
+        progress.start_timing(step)
         window_start = time.time()
       else:
         window.append(sums)
       if step % (stats_period or total) == 0 or step == total:
         if window:
           last_train = run.report(step, window, time.time() - window_start - hook_seconds)
+          progress.report(step, last_train)
         window, window_start, hook_seconds = [], time.time(), 0.0
-      progress.update(1, **({"loss": last_train["loss"], "tok/s": round(
-          last_train["timing/target_tokens_per_second"])} if last_train else {}))
+      progress.update(1)
       hook_start = time.time()
       eval_now = bool(eval_period) and step % eval_period == 0
       if eval_now:
@@ -240,8 +241,13 @@ class _Run:
       raise UserError(f"task {first_task.name!r} has a vocabulary of {vocab.vocab_size} ids but "
                       f"the model's vocab_size is {self.model.config.vocab_size}; set "
                       f"network.ModelConfig.vocab_size >= {vocab.vocab_size}")
+    self.task = task
     if self.model.vocabulary is None:  # T5X's VOCABULARY = None: the task's vocabulary
       self.model.vocabulary = vocab
+    else:  # it decodes infer-eval predictions and is saved with every checkpoint
+      from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
+      vocab_io.check_task(task, self.model.vocabulary, against="the model (its VOCABULARY)",
+                          fix=_MODEL_VOCABULARY_FIX)
     self.shard_index, self.num_shards = self.partitioner.host_batch_slice(self.global_batch)
     self.shard_rows = cfg.shard_mode == "rows"
     # 'rows': read the global batch, keep this process's rows; 'examples': read a shard.
@@ -282,12 +288,26 @@ class _Run:
                                       shapes=self.abstract_opt))
     self.checkpointer = ckpt_lib.Checkpointer(self.model_dir,
                                               checkpoint_cfg.save or SaveCheckpointConfig())
+    restore = checkpoint_cfg.restore
+    if self.checkpointer.latest_step() is None and restore is not None and restore.path:
+      self.check_vocabulary(restore.path, allow=restore.allow_vocabulary_change, fix=(
+          "Train the task with the checkpoint's vocabulary (MIXTURE_OR_TASK_NAME = "
+          "@data.with_vocabulary() and VOCABULARY = @vocab_io.from_checkpoint(), as "
+          "configs/examples/finetune_from_hf.gin does), or set utils.RestoreCheckpointConfig."
+          "allow_vocabulary_change = True to fine-tune onto the task's vocabulary on purpose"))
     # Outside the activation context: initialisation places parameters by out_shardings.
     self.state = _restore_or_init(
         model=model, tx=tx, seed=self.seed, checkpointer=self.checkpointer,
         restore_cfg=checkpoint_cfg.restore, train_iter=self.train_iter,
         abstract=(self.abstract_params, self.abstract_opt), shardings=self.shardings, log=self.log)
     self.start = int(self.state.step)
+    resumed = os.path.join(self.model_dir, f"checkpoint_{self.start}")
+    if self.checkpointer.latest_step() is not None and os.path.isdir(resumed):
+      self.check_vocabulary(resumed, fix=(
+          "This MODEL_DIR was trained with the other one: train the task it was trained with, "
+          "or use a new MODEL_DIR (INITIAL_CHECKPOINT_PATH = this checkpoint, with "
+          "utils.RestoreCheckpointConfig.allow_vocabulary_change = True to start from it on "
+          "purpose)"))
     with part.activation_context():
       self.train_step = jax.jit(
           make_train_step(model, tx, learning_rate_fn=lr_fn,
@@ -295,6 +315,19 @@ class _Run:
           in_shardings=(self.shardings, None), out_shardings=(self.shardings, None),
           donate_argnums=(0,))
       self.eval_step = jax.jit(make_eval_step(model))
+
+  def check_vocabulary(self, path: str, *, fix: str, allow: bool = False) -> None:
+    """Refuses (with `allow`: warns) when the checkpoint at `path` stores another
+    vocabulary than the task's: its embeddings would read the task's ids as other words."""
+    from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
+    theirs = vocab_io.from_checkpoint(path)
+    diff = theirs is not None and vocab_io.difference(self.model.vocabulary, theirs)
+    if diff and allow:
+      self.log(f"warning: task {self.task.name!r} and checkpoint {path} have different "
+               f"vocabularies ({diff}); fine-tuning onto the task's vocabulary as "
+               "allow_vocabulary_change = True asks")
+      return
+    vocab_io.check_task(self.task, theirs, against=f"checkpoint {path}", fix=fix, log=self.log)
 
   def write_run_files(self, operative_config: str) -> None:
     if not self.is_chief:
@@ -313,6 +346,11 @@ class _Run:
           train_eval_cfg, model=self.model, eval_step=self.eval_step,
           shard_batch=self.partitioner.shard_batch, eval_steps=eval_steps,
           shard_index=self.shard_index, num_shards=self.num_shards, model_kind=self.model_kind)
+      from t5forge import data  # pylint: disable=import-outside-toplevel
+      from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
+      vocab_io.check_task(data.get_mixture_or_task(train_eval_cfg.mixture_or_task_name),
+                          self.model.vocabulary, against="the model (its VOCABULARY)",
+                          fix=_MODEL_VOCABULARY_FIX)
     if infer_eval_cfg is not None and inference_evaluator_cls is not None:
       self.inference_evaluator = inference_evaluator_cls(
           model=self.model, dataset_cfg=infer_eval_cfg, partitioner=self.partitioner,
@@ -371,6 +409,11 @@ def _check_finite(flag, step: int, checkpointer: ckpt_lib.Checkpointer) -> None:
                          "Lower the learning rate, enable z-loss, or check the data")
 
 
+_MODEL_VOCABULARY_FIX = (
+    "Set VOCABULARY = None (the task's), or train the task with the model's vocabulary: "
+    "MIXTURE_OR_TASK_NAME = @data.with_vocabulary() (see configs/examples/finetune_from_hf.gin)")
+
+
 def _config_item(model: BaseModel) -> dict:
   from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
   return {"model": model.config.to_dict(), "vocabulary": vocab_io.to_spec(model.vocabulary)}
@@ -388,7 +431,8 @@ def _restore_or_init(*, model, tx, seed, checkpointer, restore_cfg, train_iter, 
                             abstract_params, shardings.params),
         opt_state=jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                abstract_opt, shardings.opt_state))
-    params, opt_state, data_item = checkpointer.restore(latest, target)
+    # The newest intact one: damaged ones are named and set aside (checkpoint.py).
+    latest, (params, opt_state, data_item) = checkpointer.restore_latest(target, log=log)
     data_state = ckpt_lib.data_state_for_this_process(data_item)
     if data_state is not None:
       train_iter.set_state(data_state)

@@ -4,6 +4,9 @@
 Steps return *sums* (see `models.BaseModel.loss_fn`); they are added up on the host
 between reports (fetched once per report, not per step) and turned into T5X's values:
 averages per step, per token, rates per second.
+
+Progress: a tqdm bar on a terminal; without one (a log file, a scheduler's job), one
+line per report, `step 40/1400: loss per target token 3.210, 1,234 tok/s, ETA 5m12s`.
 """
 from __future__ import annotations
 
@@ -109,23 +112,46 @@ class MetricWriter:
 
 
 class Progress:
-  """A terminal progress bar: step, loss, tokens/s and ETA (tqdm), on process 0."""
+  """Step, loss per target token, tokens/s and ETA on process 0: a tqdm bar when
+  `enabled` (a terminal), else one printed line per report (`report`)."""
 
   def __init__(self, *, start: int, total: int, enabled: bool = True, chief: bool = True):
     self._bar = None
     self._chief = chief
+    self._total = total
+    self._since: tuple[float, int] | None = None  # (time, step) after the compiling step
     if enabled:
       from tqdm import tqdm  # pylint: disable=import-outside-toplevel
       self._bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True,
                        desc="train", smoothing=0.1)
-    self._last = time.time()
 
-  def update(self, n: int = 1, **postfix) -> None:
+  def update(self, n: int = 1) -> None:
     if self._bar is not None:
-      if postfix:
-        self._bar.set_postfix({k: (f"{v:.4g}" if isinstance(v, float) else v)
-                               for k, v in postfix.items()}, refresh=False)
       self._bar.update(n)
+
+  def start_timing(self, step: int) -> None:
+    """Marks the end of the first (compiling) step: the ETA counts from here."""
+    self._since = (time.time(), step)
+
+  def report(self, step: int, scalars: dict[str, float]) -> None:
+    """Shows a report's values (`summarize`'s names): the bar's postfix, or one line."""
+    loss = scalars["loss_per_nonpadding_target_token"]
+    tokens = scalars.get("timing/target_tokens_per_second", 0.0)
+    if self._bar is not None:
+      self._bar.set_postfix({"loss/token": f"{loss:.3f}", "tok/s": f"{tokens:,.0f}"},
+                            refresh=False)
+    elif self._chief:
+      print(f"step {step}/{self._total}: loss per target token {loss:.3f}, {tokens:,.0f} tok/s, "
+            f"ETA {format_duration(self._eta(step, scalars))}", flush=True)
+
+  def _eta(self, step: int, scalars: dict[str, float]) -> float:
+    # Wall time per step since the first step (evaluations and checkpoints included),
+    # else the report's own rate (step time only).
+    if self._since is not None and step > self._since[1]:
+      per_step = (time.time() - self._since[0]) / (step - self._since[1])
+    else:
+      per_step = 1.0 / max(scalars.get("timing/steps_per_second", 0.0), 1e-9)
+    return max(self._total - step, 0) * per_step
 
   def write(self, msg: str) -> None:
     if self._bar is not None:
@@ -136,3 +162,13 @@ class Progress:
   def close(self) -> None:
     if self._bar is not None:
       self._bar.close()
+
+
+def format_duration(seconds: float) -> str:
+  """5 -> '5s', 312 -> '5m12s', 3720 -> '1h02m'."""
+  seconds = int(round(seconds))
+  if seconds < 60:
+    return f"{seconds}s"
+  if seconds < 3600:
+    return f"{seconds // 60}m{seconds % 60:02d}s"
+  return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
