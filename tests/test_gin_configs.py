@@ -2,6 +2,7 @@
 the fine-tuning gin of T5X's guide (../shared/seeds) runs with only paths changed."""
 import glob
 import os
+import shutil
 import subprocess
 import sys
 
@@ -61,12 +62,16 @@ def test_eval_and_infer_gins_parse(path):
 
 
 @pytest.mark.parametrize("path", TRAIN_RUN_GINS + EXAMPLE_GINS, ids=lambda p: os.path.relpath(p, CONFIGS))
-def test_run_and_example_gins_parse(path):
+def test_run_and_example_gins_parse(path, tmp_path):
   files = [path] if "examples" in path else [path, os.path.join(CONFIGS, "models", "t5_1_1",
                                                                   "tiny.gin")]
   # Only the macros a gin uses: a command-line macro that none uses is refused.
   initial = (["INITIAL_CHECKPOINT_PATH='/tmp/unused'"]
              if "finetune" in os.path.basename(path) else [])
+  if path.endswith("finetune_from_hf.gin"):  # it reads the checkpoint's vocabulary
+    shutil.copy(os.path.join(CONFIGS, "..", "data", "bundled", "bible_en_es_8k.model"),
+                tmp_path / "spiece.model")
+    initial = [f"INITIAL_CHECKPOINT_PATH='{tmp_path}'"]
   gin_flags.parse(files, ['MODEL_DIR="/tmp/unused"', *initial]
                   + ([] if "examples" in path else REQUIRED[1:]))
   import gin  # pylint: disable=import-outside-toplevel

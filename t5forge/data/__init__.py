@@ -17,7 +17,8 @@ from t5forge.data.sources import (ArrayRecordDataSource, DataSource, FunctionDat
                                   TsvDataSource)
 from t5forge.data.tasks import (Feature, Mixture, MixtureRegistry, ShardInfo, Task, TaskRegistry,
                                 get_dataset, get_mixture_or_task, get_vocabulary,
-                                import_task_module, mixing_rate_num_examples)
+                                import_task_module, mixing_rate_num_examples,
+                                with_vocabulary)
 from t5forge.data.vocab import (ByteVocabulary, PassThroughVocabulary, SentencePieceVocabulary,
                                 Vocabulary)
 from t5forge.data import bundled_tasks  # registers the bundled tasks
@@ -43,5 +44,5 @@ __all__ = [
     "Task", "TaskRegistry", "TextLineDataSource", "TsvDataSource", "Vocabulary", "bundled_tasks",
     "get_converter", "get_dataset", "get_mixture_or_task", "get_vocabulary", "import_task_module",
     "map_over_dataset",
-    "mixing_rate_num_examples", "preprocessors", *_PIPELINE_NAMES,
+    "mixing_rate_num_examples", "preprocessors", "with_vocabulary", *_PIPELINE_NAMES,
 ]

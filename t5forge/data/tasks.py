@@ -23,8 +23,10 @@ of dicts of numpy int32 arrays (plus the `<feature>_pretokenized` strings).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import hashlib
 import importlib
 import inspect
 import logging
@@ -41,6 +43,7 @@ from t5forge.data import cache as cache_lib
 from t5forge.data import files
 from t5forge.data import preprocessors as pre
 from t5forge.data import sources as src
+from t5forge.data import vocab_io
 from t5forge.data.vocab import Vocabulary
 from t5forge.errors import UserError
 
@@ -87,7 +90,7 @@ class Task:
       predictions and (with is_target=True) to targets before the metrics.
     metric_fns: `fn(targets, predictions) -> dict` (or `fn(targets, scores)`).
     cache: keep the offline stage (everything up to the last stream step, or up to
-      `CacheDatasetPlaceholder`) on disk under `$T5FORGE_CACHE/tasks/`, reused
+      `CacheDatasetPlaceholder`) on disk under `<cache dir>/tasks/` (`files.cache_root`), reused
       while the source, preprocessors and vocabularies are unchanged.
   """
 
@@ -580,3 +583,49 @@ def get_vocabulary(mixture_or_task_name: str) -> tuple[Vocabulary, Vocabulary]:
     raise UserError(f"{mixture_or_task_name!r} has no 'targets' output feature")
   targets = features["targets"].vocabulary
   return (features["inputs"].vocabulary if "inputs" in features else targets), targets
+
+
+def with_vocabulary(mixture_or_task_name: str, vocabulary: Vocabulary | None) -> str:
+  """The name of a registered copy of a task (or mixture) whose output features all use
+  `vocabulary`; e.g. to fine-tune a checkpoint on a task with the checkpoint's own
+  vocabulary. In gin (configs/examples/finetune_from_hf.gin):
+
+      MIXTURE_OR_TASK_NAME = @data.with_vocabulary()
+      data.with_vocabulary.mixture_or_task_name = 'bible_translate_en_es'
+      data.with_vocabulary.vocabulary = @vocab_io.from_checkpoint()
+
+  The copy is named `<name>.vocab_<8 hex digits of the vocabulary>` and registered once
+  (the same call returns the same name); source, preprocessors, postprocessing and
+  metrics are the task's. A cached task's copy has its own cache: the cache key holds
+  the vocabulary. With `vocabulary` None (a checkpoint that stores none), or the task's
+  own vocabulary, the name is returned unchanged.
+  """
+  item = get_mixture_or_task(mixture_or_task_name)
+  tasks = item.tasks if isinstance(item, Mixture) else [item]
+  if vocabulary is None or all(vocab_io.difference(f.vocabulary, vocabulary) is None
+                               for t in tasks for f in t.output_features.values()):
+    return mixture_or_task_name
+  if not isinstance(vocabulary, Vocabulary):
+    raise UserError(f"with_vocabulary({mixture_or_task_name!r}, ...): vocabulary must be a "
+                    f"t5forge.data Vocabulary, got {type(vocabulary).__name__}")
+  suffix = ".vocab_" + hashlib.md5(vocabulary.fingerprint().encode()).hexdigest()[:8]
+  if isinstance(item, Mixture):
+    name = mixture_or_task_name + suffix
+    if name not in MixtureRegistry._items:
+      MixtureRegistry.add(name, [(_task_copy(t, vocabulary, suffix), rate)
+                                 for t, rate in item.tasks_and_rates])
+    return name
+  return _task_copy(item, vocabulary, suffix)
+
+
+def _task_copy(task: Task, vocabulary: Vocabulary, suffix: str) -> str:
+  """Registers (once) `task` with `vocabulary` in every output feature as name+suffix."""
+  name = task.name + suffix
+  if name not in TaskRegistry._items:
+    new = copy.copy(task)  # keeps a Task subclass and its attributes
+    new.name = name
+    new.output_features = {k: dataclasses.replace(f, vocabulary=vocabulary)
+                           for k, f in task.output_features.items()}
+    new._offline, new._lock = {}, threading.Lock()  # nothing tokenized with the other one
+    TaskRegistry._add(name, new)
+  return name

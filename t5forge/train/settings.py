@@ -108,6 +108,10 @@ class RestoreCheckpointConfig:
     fallback_to_scratch: initialise parameters the checkpoint lacks instead of failing.
     restore_step: continue the checkpoint's step count (T5X: TRAIN_STEPS includes the
       pre-training steps); False restarts at step 0.
+    allow_vocabulary_change: start even when the checkpoint stores another vocabulary
+      than the task's (a warning, not an error): fine-tuning onto a new vocabulary on
+      purpose. Without it such a run is refused: the checkpoint's embeddings would read
+      the task's ids as other words.
   """
 
   path: str | None = None
@@ -117,6 +121,7 @@ class RestoreCheckpointConfig:
   fallback_to_scratch: bool = False
   restore_step: bool = True
   restore_dataset: bool = False  # accepted for T5X gins
+  allow_vocabulary_change: bool = False
 
   def __post_init__(self):
     if self.mode not in ("specific", "latest", "all"):
