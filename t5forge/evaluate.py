@@ -3,10 +3,15 @@ task's metrics, and write what T5X / SeqIO write.
 
 For each task, under `output_dir` (MODEL_DIR/inference_eval by default):
 
-    <task>-metrics.jsonl       one line per evaluated step: {"step": s, "bleu": ...}
+    <task>-metrics.jsonl       one line per evaluation: {"step": s, "bleu": ...,
+                               "num_examples": n, "coverage": {split, num_examples,
+                               feature_lengths, decode, model, checkpoint}}
     <task>-<step>.jsonl        one line per example: {"inputs": {...}, "prediction": ...,
                                "target": ..., "prediction_tokens": [...]}
-    <task>/events.out.*        TensorBoard scalars `<task>/<metric>`
+    <task>/events.out.*        TensorBoard scalars `<task>/<metric>`, `<task>/num_examples`
+
+`evaluate` (`t5forge eval`) skips a step only when a record covers exactly what it would
+evaluate (see `InferenceEvaluator.why_evaluate`); `force` evaluates regardless.
 
 `InferenceEvaluator` is also the trainer's infer-eval hook (`inference_evaluator_cls`).
 """
@@ -19,10 +24,15 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from t5forge import multihost
+from t5forge import multihost, provenance
 from t5forge.errors import UserError
 from t5forge.predict import DecodeOptions, Predictor
 from t5forge.sharding import Partitioner
+
+
+# Checkpoint fields that the trainer's hook cannot know (it evaluates parameters in
+# memory): compared only when both records have them.
+_KNOWN_ONLY = ("checkpoint.path", "checkpoint.format", "checkpoint.content")
 
 
 def max_feature_lengths(task, split: str) -> dict[str, int]:
@@ -87,6 +97,8 @@ class InferenceEvaluator:
     self.model = model
     self.partitioner = partitioner or Partitioner()
     self.output_dir = output_dir or os.path.join(model_dir or ".", "inference_eval")
+    self.model_dir = model_dir
+    self.split = dataset_cfg.split
     self.options = decode_options or DecodeOptions()
     self.write_predictions = write_predictions
     self.num_examples = num_examples
@@ -158,8 +170,32 @@ class InferenceEvaluator:
       rows.append(row)
     return metrics, rows
 
-  def __call__(self, params, step: int) -> dict[str, float]:
-    """Evaluates every task; returns {'inference_eval/<task>/<metric>': value}."""
+  def coverage(self, name: str, step: int, checkpoint: dict | None = None) -> dict[str, Any]:
+    """What evaluating task `name` at `step` covers: split, example count, feature lengths,
+    decoding options, model numerics and checkpoint (`provenance.checkpoint_identity`;
+    default, for the trainer's hook: MODEL_DIR/checkpoint_<step>, content unknown)."""
+    ds = self.datasets[name]
+    if checkpoint is None and self.model_dir is not None:
+      from t5forge.convert import native  # pylint: disable=import-outside-toplevel
+      checkpoint = {"path": os.path.abspath(os.path.join(
+          self.model_dir, f"{native.CHECKPOINT_PREFIX}{step}")), "step": int(step),
+                    "format": "t5forge", "content": None}
+    n = ds.num_examples if self.num_examples is None else min(self.num_examples,
+                                                              ds.num_examples)
+    return provenance.normalized({
+        "split": self.split, "num_examples": n, "feature_lengths": dict(ds.lengths),
+        "decode": (provenance.decode_record(self.options) if ds.task.predict_metric_fns
+                   else None),
+        "model": provenance.model_record(self.model.config), "checkpoint": checkpoint})
+
+  def __call__(self, params, step: int, checkpoint: dict | None = None) -> dict[str, float]:
+    """Evaluates every task; returns {'inference_eval/<task>/<metric>': value}, with
+    'inference_eval/<task>/num_examples' the count the metrics cover.
+
+    Args:
+      checkpoint: where `params` came from (`provenance.checkpoint_identity`), recorded
+        with the metrics; default MODEL_DIR/checkpoint_<step> (the trainer's hook).
+    """
     out = {}
     chief = jax.process_index() == 0
     if chief:
@@ -167,19 +203,22 @@ class InferenceEvaluator:
     for name, ds in self.datasets.items():
       metrics, rows = self._run_task(params, name, ds)
       metrics = {k: float(v) for k, v in metrics.items()}
-      out.update({f"inference_eval/{name}/{k}": v for k, v in metrics.items()})
+      coverage = self.coverage(name, step, checkpoint)
+      scalars = {**metrics, "num_examples": float(len(rows))}
+      out.update({f"inference_eval/{name}/{k}": v for k, v in scalars.items()})
       if not chief:
         continue
       if self.write_predictions:
         _atomic_write_lines(os.path.join(self.output_dir, f"{name}-{step}.jsonl"), rows)
       with open(os.path.join(self.output_dir, f"{name}-metrics.jsonl"), "a",
                 encoding="utf-8") as f:
-        f.write(json.dumps({"step": int(step), **metrics}) + "\n")
+        f.write(json.dumps({"step": int(step), **metrics, "num_examples": len(rows),
+                            "coverage": coverage}) + "\n")
       if self.metric_writer is not None:
-        self.metric_writer.write_scalars(step, metrics, subdir=f"inference_eval/{name}")
+        self.metric_writer.write_scalars(step, scalars, subdir=f"inference_eval/{name}")
       else:
         writer = self._tensorboard(name)
-        for k, v in metrics.items():
+        for k, v in scalars.items():
           writer.add_scalar(f"{name}/{k}", v, step)
         writer.flush()
     return out
@@ -190,19 +229,46 @@ class InferenceEvaluator:
       self._writers[name] = SummaryWriter(os.path.join(self.output_dir, name))
     return self._writers[name]
 
-  def evaluated_steps(self) -> dict[str, set[int]]:
-    """Steps already in each task's <task>-metrics.jsonl (to skip them on a rerun)."""
+  def records(self) -> dict[str, list[dict]]:
+    """Each task's <task>-metrics.jsonl lines (earlier evaluations), oldest first."""
     done = {}
     for name in self.datasets:
       path = os.path.join(self.output_dir, f"{name}-metrics.jsonl")
-      steps = set()
+      rows = []
       if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
-          for line in f:
-            if line.strip():
-              steps.add(int(json.loads(line)["step"]))
-      done[name] = steps
+          for n, line in enumerate(f, 1):
+            if not line.strip():
+              continue
+            try:
+              rows.append(json.loads(line))
+            except json.JSONDecodeError:
+              raise UserError(f"{path}:{n}: not a JSON line (a torn write?); delete or fix "
+                              "that line") from None
+      done[name] = rows
     return done
+
+  def why_evaluate(self, records: dict[str, list[dict]], step: int,
+                   checkpoint: dict | None) -> str | None:
+    """None when every task has a record of `step` covering what evaluating it now would
+    (so it is done); else why not, in words ('' when there is no record of `step`)."""
+    reasons, missing = [], False
+    for name in self.datasets:
+      path = os.path.join(self.output_dir, f"{name}-metrics.jsonl")
+      earlier = [r for r in records.get(name, []) if r.get("step") == step]
+      if not earlier:
+        missing = True
+        continue
+      now = self.coverage(name, step, checkpoint)
+      if not any("coverage" in r for r in earlier):
+        reasons.append(f"{path} has step {step} with no record of what it covered "
+                       "(written by an older t5forge)")
+        continue
+      diffs = [provenance.differences(r["coverage"], now, known_only=_KNOWN_ONLY)
+               for r in earlier if "coverage" in r]
+      if all(diffs):
+        reasons.append(f"{path} has step {step} evaluated with {'; '.join(diffs[-1])}")
+    return "; ".join(reasons) if reasons or missing else None
 
   def close(self) -> None:
     for w in self._writers.values():
@@ -210,21 +276,42 @@ class InferenceEvaluator:
     self._writers = {}
 
 
+def _shown(scalars: dict[str, float]) -> str:
+  """'task/bleu = 1.2, task/chrf = 30.1 (1,234 examples)', task after task."""
+  groups: dict[str, list[str]] = {}
+  counts: dict[str, int] = {}
+  for key, value in scalars.items():
+    task, metric = key.split("/")[1], key.split("/", 2)[2]
+    if metric == "num_examples":
+      counts[task] = int(value)
+    else:
+      groups.setdefault(task, []).append(f"{task}/{metric} = {value:.4g}")
+  return "; ".join(f"{', '.join(shown)} ({counts.get(task, 0):,} examples)"
+                   for task, shown in groups.items())
+
+
 def evaluate(*, dataset_cfg, restore_checkpoint_cfg, model=None, output_dir: str | None = None,
              partitioner: Partitioner | None = None, decode_options: DecodeOptions | None = None,
-             num_examples: int | None = None, vocabulary=None) -> dict[int, dict[str, float]]:
+             num_examples: int | None = None, vocabulary=None,
+             force: bool = False) -> dict[int, dict[str, float]]:
   """`t5forge eval`: one, the latest, or all checkpoints (T5X's eval.py).
+
+  A checkpoint is skipped when <task>-metrics.jsonl already has, for every task, a record
+  of its step covering what this evaluation would: the same split, example count, feature
+  lengths, decoding options, model dtype and checkpoint. Otherwise (a partial evaluation,
+  other options, a record from an older t5forge) it is evaluated again, with a note.
 
   Args:
     dataset_cfg: task or mixture, split, batch size, task_feature_lengths (None: max).
     restore_checkpoint_cfg: path (a checkpoint, a MODEL_DIR, an HF directory or a T5X
-      checkpoint) and mode: 'specific', 'latest' or 'all' (every checkpoint of a
-      MODEL_DIR, skipping steps already in <task>-metrics.jsonl).
+      checkpoint) and mode: 'specific', 'latest' or 'all' (every checkpoint of a MODEL_DIR).
     model: the model (gin's MODEL); default built from the checkpoint's config.
     output_dir: default <MODEL_DIR>/inference_eval.
+    force: evaluate even checkpoints with a matching record.
 
   Returns:
-    {step: {"inference_eval/<task>/<metric>": value}} for the checkpoints evaluated now.
+    {step: {"inference_eval/<task>/<metric>": value, ".../num_examples": n}} for the
+    checkpoints evaluated now.
   """
   from t5forge.convert import load_checkpoint, native  # pylint: disable=import-outside-toplevel
   from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
@@ -262,15 +349,19 @@ def evaluate(*, dataset_cfg, restore_checkpoint_cfg, model=None, output_dir: str
         evaluator = InferenceEvaluator(model=model, dataset_cfg=dataset_cfg,
                                        partitioner=partitioner, output_dir=output_dir,
                                        decode_options=decode_options, num_examples=num_examples)
-        done = evaluator.evaluated_steps()
-      if all(ckpt.step in s for s in done.values()):
-        print(f"step {ckpt.step}: already evaluated ({output_dir}); skipped")
+        done = evaluator.records()
+      identity = provenance.checkpoint_identity(ckpt.path, ckpt.step, ckpt.format)
+      why = "" if force else evaluator.why_evaluate(done, ckpt.step, identity)
+      if why is None:
+        print(f"step {ckpt.step}: already evaluated on the same examples and options "
+              f"({output_dir}); skipped (--force evaluates again)")
         continue
+      if why:
+        print(f"step {ckpt.step}: note: {why}; evaluating again")
       params = evaluator.partitioner.place(jax.tree.map(np.asarray, ckpt.params))
       with evaluator.partitioner.activation_context():
-        results[ckpt.step] = evaluator(params, ckpt.step)
-      shown = ", ".join(f"{k.split('/', 1)[1]} = {v:.4g}" for k, v in results[ckpt.step].items())
-      print(f"step {ckpt.step}: {shown}")
+        results[ckpt.step] = evaluator(params, ckpt.step, checkpoint=identity)
+      print(f"step {ckpt.step}: {_shown(results[ckpt.step])}")
   finally:
     if evaluator is not None:
       evaluator.close()

@@ -6,10 +6,17 @@ JSONL: {"inputs": ..., "targets": ...}; text: one input a line). Output, in outp
     <name>-<step>.jsonl-00003-of-00010              a finished chunk
     <name>-<step>.jsonl-00003-of-00010.COMPLETED    written after the chunk is whole
     <name>-<step>.jsonl                             all chunks merged, in input order
+    <name>-<step>.jsonl.fingerprint.json            what the output is made from
 
-A rerun skips chunks that have a COMPLETED marker, so a killed job loses no line and
-repeats none. With several processes, chunk k belongs to process k % process_count;
-process 0 merges once every chunk is complete. Lines (T5X's format):
+The fingerprint (written before any chunk, kept beside the merged file) records the
+inputs (a digest of their tokens and text), mode, decoding options, lengths, model dtype
+and checkpoint (path, step, format, a digest of its metadata files). A rerun of the same
+work skips chunks whose COMPLETED marker names this fingerprint, so a killed job loses no
+line and repeats none, and returns a merged file as it is. Output of this name made by
+other work (or by an older t5forge, with no fingerprint) is refused with one line naming
+what differs; `overwrite` (--overwrite) deletes it and starts afresh. With several
+processes, chunk k belongs to process k % process_count; process 0 merges once every chunk
+is complete. Lines (T5X's format):
 
     predict:          {"inputs": {"inputs_pretokenized": ...}, "prediction": ..., "prediction_tokens": [...]}
     predict_with_aux: the same plus "aux": {"scores": ...}
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import hashlib
 import json
 import os
 import warnings
@@ -27,7 +35,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from t5forge import multihost
+from t5forge import multihost, provenance
 from t5forge.errors import UserError
 from t5forge.data import files
 from t5forge.predict import DecodeOptions, Predictor, features_from_tokens
@@ -122,13 +130,18 @@ def infer(*, model, params, examples: list[Example], output_dir: str, name: str,
           mode: str = "predict", batch_size: int = 32, chunk_size: int = 1024,
           input_length: int | None = None, target_length: int = 64, strict: bool = False,
           decode_options: DecodeOptions | None = None,
-          partitioner: Partitioner | None = None) -> InferResult:
+          partitioner: Partitioner | None = None, checkpoint: dict | None = None,
+          overwrite: bool = False) -> InferResult:
   """Runs inference over `examples`, chunk by chunk, resumably (see the module doc).
 
   Args:
     input_length: inputs longer than this many tokens are truncated (EOS kept) with a
       counted warning, or refused when `strict`; default the longest input.
     target_length: tokens to decode (predict) or the longest target kept (score).
+    checkpoint: where `params` came from, `provenance.checkpoint_identity(...)`; part of
+      the fingerprint that decides whether earlier output may be reused.
+    overwrite: delete earlier output of this name made by other work (other inputs,
+      mode, decoding options or checkpoint) instead of refusing.
   """
   if mode not in MODES:
     raise UserError(f"--mode {mode!r}: choose one of {MODES}")
@@ -150,13 +163,18 @@ def infer(*, model, params, examples: list[Example], output_dir: str, name: str,
   os.makedirs(output_dir, exist_ok=True)
   base = os.path.join(output_dir, f"{name}-{step}.jsonl")
   n_chunks = max(1, -(-len(examples) // chunk_size))
-  if os.path.exists(base) and not glob.glob(f"{base}-*.COMPLETED"):
+  work = fingerprint(examples, mode=mode, options=opts, input_length=input_length,
+                     target_length=target_length, chunk_size=chunk_size, model=model,
+                     checkpoint=checkpoint)
+  _claim(base, work, overwrite=overwrite)
+  if os.path.exists(base) and not glob.glob(f"{glob.escape(base)}-*.COMPLETED"):
     return InferResult(base, len(examples), 0, 0, n_chunks)  # merged by an earlier run
+  marker = provenance.digest(work)  # a COMPLETED marker names the work its chunk belongs to
   done_now = 0
   for k in range(jax.process_index(), n_chunks, jax.process_count()):
     chunk_path = f"{base}-{k:05d}-of-{n_chunks:05d}"
-    if os.path.exists(chunk_path + ".COMPLETED"):
-      continue  # finished by an earlier run
+    if _read(chunk_path + ".COMPLETED") == marker:
+      continue  # finished by an earlier run of the same work
     chunk = examples[k * chunk_size:(k + 1) * chunk_size]
     lines = []
     for start in range(0, len(chunk), batch_size):
@@ -189,7 +207,7 @@ def infer(*, model, params, examples: list[Example], output_dir: str, name: str,
         f.write(json.dumps(row, ensure_ascii=False) + "\n")
     os.replace(tmp, chunk_path)
     with open(chunk_path + ".COMPLETED", "w", encoding="utf-8") as f:
-      f.write("")
+      f.write(marker)
     done_now += 1
   multihost.sync("t5forge_infer_chunks")
   if jax.process_index() == 0:
@@ -199,6 +217,82 @@ def infer(*, model, params, examples: list[Example], output_dir: str, name: str,
     warnings.warn(f"{len(too_long)} of {len(examples)} inputs were longer than {input_length} "
                   "tokens and were truncated (--strict refuses them)", stacklevel=2)
   return InferResult(base, len(examples), len(too_long), done_now, n_chunks)
+
+
+FINGERPRINT = ".fingerprint.json"
+OVERWRITE_HINT = ("pass --overwrite to replace it (gin: "
+                  "--gin.infer_script.infer_task.overwrite=True), or choose another "
+                  "--output_dir or --name")
+
+
+def fingerprint(examples: list[Example], *, mode: str, options: DecodeOptions,
+                input_length: int, target_length: int, chunk_size: int, model,
+                checkpoint: dict | None) -> dict[str, Any]:
+  """What decides the output lines: inputs (a digest of every example's tokens, targets
+  and text), mode, decoding options (predict modes), lengths, the model's numerics and
+  the checkpoint; and the chunk size, which decides what the chunk files hold. Batch size
+  is not part of it: it changes no line."""
+  h = hashlib.sha256()
+  for ex in examples:
+    h.update(json.dumps([ex.inputs, ex.targets, ex.pretokenized], sort_keys=True,
+                        default=str).encode() + b"\n")
+  return provenance.normalized({
+      "mode": mode, "inputs": {"count": len(examples), "sha256": h.hexdigest()},
+      "checkpoint": checkpoint,
+      "decode": None if mode == "score" else provenance.decode_record(options),
+      "input_length": input_length, "target_length": target_length,
+      "model": provenance.model_record(model.config), "chunk_size": chunk_size})
+
+
+def _read(path: str) -> str | None:
+  try:
+    with open(path, encoding="utf-8") as f:
+      return f.read()
+  except FileNotFoundError:
+    return None
+
+
+def _claim(base: str, work: dict, *, overwrite: bool) -> None:
+  """Makes `base`'s files hold only `work`: refuses (one line naming what differs) output
+  of this name made by other work, or deletes it when `overwrite`; then records `work`
+  in <base>.fingerprint.json before any chunk is written."""
+  record_path = base + FINGERPRINT
+  text = _read(record_path)
+  try:
+    recorded = json.loads(text) if text is not None else None
+  except json.JSONDecodeError:
+    recorded = None  # torn by hand or by a disk fault: unknown work, like no record
+  recorded = recorded if isinstance(recorded, dict) else None
+  chunks = glob.glob(f"{glob.escape(base)}-*-of-*")
+  merged = os.path.exists(base)
+  if (chunks or merged) and not overwrite:
+    if recorded is None:
+      raise UserError(f"{base} has no record of the inputs, mode, decoding options and "
+                      f"checkpoint it was made with ({record_path} is missing or "
+                      f"unreadable: an older t5forge, or another program); {OVERWRITE_HINT}")
+    old, new = recorded, work
+    if old.get("mode") != new.get("mode"):  # then the decoding options say nothing more
+      old, new = ({k: v for k, v in r.items() if k != "decode"} for r in (old, new))
+    if not chunks:  # merged: how it was chunked no longer matters
+      old, new = ({k: v for k, v in r.items() if k != "chunk_size"} for r in (old, new))
+    diffs = provenance.differences(old, new)
+    if diffs:
+      raise UserError(f"{base} was made with {'; '.join(diffs)}; {OVERWRITE_HINT}")
+  if jax.process_index() == 0:
+    if overwrite:
+      # The record goes first: a run killed while deleting leaves files that a rerun
+      # without --overwrite refuses, never a marker whose chunk is gone.
+      markers = [p for p in chunks if p.endswith(".COMPLETED")]
+      for path in ([record_path] + markers + sorted(set(chunks) - set(markers)) + [base]
+                   + glob.glob(f"{glob.escape(base)}.tmp-*")):
+        if os.path.exists(path):
+          os.remove(path)
+    if overwrite or (recorded != work and not (chunks or merged)):
+      tmp = f"{record_path}.tmp-{os.getpid()}"
+      with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(work, f, indent=1)
+      os.replace(tmp, record_path)
+  multihost.sync("t5forge_infer_fingerprint")
 
 
 def _merge(base: str, n_chunks: int) -> None:
@@ -232,10 +326,11 @@ def check_model_fits(model, ckpt) -> None:
 def infer_task(*, dataset_cfg, restore_checkpoint_cfg, output_dir: str, model=None,
                mode: str = "predict", partitioner: Partitioner | None = None,
                decode_options: DecodeOptions | None = None, chunk_size: int = 1024,
-               strict: bool = False) -> InferResult:
+               strict: bool = False, overwrite: bool = False) -> InferResult:
   """T5X's infer.py through gin: a task's split (dataset_cfg), a checkpoint
   (restore_checkpoint_cfg.path; mode 'latest' for a MODEL_DIR), JSONL to output_dir.
-  Feature lengths come from dataset_cfg.task_feature_lengths (None: the longest)."""
+  Feature lengths come from dataset_cfg.task_feature_lengths (None: the longest);
+  `overwrite` replaces earlier output of other work (see `infer`)."""
   from t5forge import models  # pylint: disable=import-outside-toplevel
   from t5forge.convert import load_checkpoint, native  # pylint: disable=import-outside-toplevel
   from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
@@ -262,4 +357,6 @@ def infer_task(*, dataset_cfg, restore_checkpoint_cfg, output_dir: str, model=No
                output_dir=output_dir, name=dataset_cfg.mixture_or_task_name, step=ckpt.step,
                mode=mode, batch_size=int(dataset_cfg.batch_size), chunk_size=chunk_size,
                input_length=lengths.get("inputs"), target_length=lengths.get("targets", 64),
-               strict=strict, decode_options=decode_options, partitioner=partitioner)
+               strict=strict, decode_options=decode_options, partitioner=partitioner,
+               checkpoint=provenance.checkpoint_identity(ckpt.path, ckpt.step, ckpt.format),
+               overwrite=overwrite)

@@ -5,7 +5,9 @@ compute the task's metrics (T5X's eval.py).
     t5forge eval --gin_file=runs/eval.gin --gin.CHECKPOINT_PATH=\\"...\\" ...
 
 Writes <task>-metrics.jsonl, per-example <task>-<step>.jsonl and TensorBoard events to
---output_dir (default MODEL_DIR/inference_eval). A rerun skips evaluated checkpoints.
+--output_dir (default MODEL_DIR/inference_eval). Each metrics line records what it covers
+(split, example count, feature lengths, decoding options, checkpoint); a rerun skips a
+checkpoint only when a record covers exactly what it would evaluate (--force: never).
 """
 from __future__ import annotations
 
@@ -55,7 +57,10 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--feature_lengths", default=None,
                       help="e.g. inputs=512,targets=128 (default: the longest example)")
   parser.add_argument("--batch_size", type=int, default=32)
-  parser.add_argument("--num_examples", type=int, default=None)
+  parser.add_argument("--num_examples", type=int, default=None,
+                      help="evaluate the first N examples of each task (default: all)")
+  parser.add_argument("--force", action="store_true",
+                      help="evaluate even checkpoints already evaluated the same way")
   parser.add_argument("--output_dir", default=None)
   parser.add_argument("--module", default=None, help="module to import (registers tasks)")
   decode_flags.add(parser)
@@ -70,5 +75,5 @@ def main(argv: list[str]) -> int:
                                 module=args.module),
       restore_checkpoint_cfg=RestoreCheckpointConfig(path=args.checkpoint, mode=mode),
       output_dir=args.output_dir, decode_options=decode_flags.options(args),
-      num_examples=args.num_examples)
+      num_examples=args.num_examples, force=args.force)
   return 0

@@ -8,7 +8,9 @@
 
 Files: .tsv (inputs[<TAB>targets]), .jsonl ({"inputs": ..., "targets": ...}) or text
 (one input a line), optionally .gz. The output is written in chunks with .COMPLETED
-markers, so rerunning a killed command resumes it; then merged into one file.
+markers, so rerunning a killed command resumes it; then merged into one file. A rerun
+reuses earlier output only when inputs, mode, decoding options, lengths and checkpoint
+are the same; otherwise it refuses, naming what differs (--overwrite replaces it).
 """
 from __future__ import annotations
 
@@ -49,6 +51,9 @@ def main(argv: list[str]) -> int:
                       help="truncate longer inputs (counted warning), default: longest")
   parser.add_argument("--max_decode_length", type=int, default=64,
                       help="tokens to decode; in score mode the longest target kept")
+  parser.add_argument("--overwrite", action="store_true",
+                      help="replace earlier output of this name made from other inputs, "
+                      "options or checkpoint (default: refuse)")
   parser.add_argument("--strict", action="store_true",
                       help="refuse inputs longer than --max_input_length instead of truncating")
   parser.add_argument("--vocabulary", default=None,
@@ -59,7 +64,7 @@ def main(argv: list[str]) -> int:
   opts = decode_flags.options(args)
 
   import jax  # pylint: disable=import-outside-toplevel
-  from t5forge import infer, models  # pylint: disable=import-outside-toplevel
+  from t5forge import infer, models, provenance  # pylint: disable=import-outside-toplevel
   from t5forge.convert import load_checkpoint  # pylint: disable=import-outside-toplevel
   from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
   from t5forge.data.vocab import SentencePieceVocabulary  # pylint: disable=import-outside-toplevel
@@ -88,7 +93,9 @@ def main(argv: list[str]) -> int:
                          batch_size=args.batch_size, chunk_size=args.chunk_size,
                          input_length=args.max_input_length,
                          target_length=args.max_decode_length, strict=args.strict,
-                         decode_options=opts)
+                         decode_options=opts, overwrite=args.overwrite,
+                         checkpoint=provenance.checkpoint_identity(ckpt.path, ckpt.step,
+                                                                   ckpt.format))
   for w in caught:
     print(f"warning: {w.message}")
   print(f"wrote {result.num_examples} lines to {result.path} ({result.chunks_done_now} of "
