@@ -7,19 +7,25 @@ of `t5forge convert --to t5forge`):
     <dir>/params/     the parameter tree (orbax StandardCheckpointHandler)
     <dir>/opt_state/  optimizer state (training checkpoints only)
     <dir>/data_iter/  data iterator state (training checkpoints only)
+    <dir>/t5forge_manifest.json  size and sha256 of every file (`manifest`), committed
+                      with the rest
 
-A MODEL_DIR holds several `checkpoint_<step>` directories; the latest complete one is
-what `t5forge.load(MODEL_DIR)` and a resumed run read.
+A MODEL_DIR holds several `checkpoint_<step>` directories; the newest intact one (files
+matching the manifest) is what `t5forge.load(MODEL_DIR)`, `eval` and `infer` read, each
+damaged one skipped with a note; a resumed run does the same (`train.checkpoint`). Reading
+one damaged checkpoint directory is a one-line UserError.
 """
 from __future__ import annotations
 
 import os
 import re
 import shutil
+import sys
 
 import jax
 import numpy as np
 
+from t5forge.convert import manifest
 from t5forge.errors import UserError
 from t5forge.nn.config import ModelConfig
 
@@ -27,22 +33,26 @@ PARAMS = "params"
 CONFIG = "config"
 CHECKPOINT_PREFIX = "checkpoint_"
 _STEP_DIR = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
-_METADATA = "_CHECKPOINT_METADATA"
 
 
 def is_native_checkpoint(path: str) -> bool:
-  """A single t5forge checkpoint directory (not a MODEL_DIR)."""
-  return os.path.isdir(os.path.join(path, PARAMS)) and os.path.isdir(os.path.join(path, CONFIG))
+  """A single t5forge checkpoint directory (not a MODEL_DIR), intact or not."""
+  return (os.path.isdir(os.path.join(path, PARAMS)) and os.path.isdir(os.path.join(path, CONFIG))
+          or os.path.isfile(os.path.join(path, manifest.MANIFEST)))
 
 
 def is_complete(path: str) -> bool:
-  # Orbax writes into a temporary name and renames on commit; the metadata file is
-  # written last, so its presence means the step is whole.
-  return is_native_checkpoint(path) and os.path.isfile(os.path.join(path, _METADATA))
+  """Committed by Orbax: written under a temporary name and renamed into place, so a
+  `checkpoint_<step>` directory of ours is whole unless damaged since (`manifest.verify`
+  says). The same steps Orbax's CheckpointManager sees, so that none of them is hidden
+  from the damage checks while Orbax would still delete or refuse to overwrite it."""
+  return is_native_checkpoint(path) or os.path.isfile(os.path.join(path,
+                                                                   manifest.ORBAX_METADATA))
 
 
 def checkpoint_steps(model_dir: str) -> list[int]:
-  """Steps of the complete checkpoints in MODEL_DIR, ascending."""
+  """Steps of the committed checkpoints in MODEL_DIR, ascending (intact or not; a damaged
+  one set aside by training is renamed `checkpoint_<step>.damaged-<time>` and not listed)."""
   if not os.path.isdir(model_dir):
     return []
   steps = []
@@ -54,8 +64,23 @@ def checkpoint_steps(model_dir: str) -> list[int]:
 
 
 def latest_checkpoint(model_dir: str) -> str | None:
-  steps = checkpoint_steps(model_dir)
-  return os.path.join(model_dir, f"{CHECKPOINT_PREFIX}{steps[-1]}") if steps else None
+  """The newest checkpoint of MODEL_DIR whose files match its manifest (or that has none
+  to check), None when MODEL_DIR has none. Each newer damaged one is named in a note on
+  stderr; UserError when every one is damaged."""
+  damaged = []
+  for step in reversed(checkpoint_steps(model_dir)):
+    path = os.path.join(model_dir, f"{CHECKPOINT_PREFIX}{step}")
+    try:
+      manifest.verify(path)
+    except manifest.CheckpointDamaged as e:
+      damaged.append(str(e))
+      continue
+    for line in damaged:
+      print(f"note: {line}; reading {path}", file=sys.stderr)
+    return path
+  if damaged:
+    raise UserError(f"{model_dir}: every checkpoint is damaged: {'; '.join(damaged)}")
+  return None
 
 
 def _checkpointer():
@@ -64,18 +89,25 @@ def _checkpointer():
 
 
 def save(path: str, config: ModelConfig, params: dict, *, extra_config: dict | None = None) -> None:
-  """Writes a params-only checkpoint (what `convert --to t5forge` produces)."""
-  ocp, ckpt = _checkpointer()
+  """Writes a params-only checkpoint with its manifest (what `convert --to t5forge` produces)."""
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   path = os.path.abspath(path)
   if os.path.exists(path) and os.listdir(path):
     raise UserError(f"{path}: exists and is not empty; choose a new output directory")
   if os.path.isdir(path):
     os.rmdir(path)
-  meta = {"model": config.to_dict(), **(extra_config or {})}
-  # Orbax writes to a temporary directory and renames it on success (atomic commit).
-  ckpt.save(path, ocp.args.Composite(**{
-      PARAMS: ocp.args.StandardSave(jax.tree.map(np.asarray, params)),
-      CONFIG: ocp.args.JsonSave(meta)}))
+  meta = {"model": config.to_dict(), **(extra_config or {}), manifest.EXPECTED: manifest.MANIFEST}
+  # Orbax writes to a temporary directory and renames it on success (atomic commit); the
+  # manifest goes into that directory just before the rename.
+  ckpt = ocp.AsyncCheckpointer(ocp.CompositeCheckpointHandler(), async_options=ocp.AsyncOptions(
+      post_finalization_callback=lambda: manifest.write_staged(path)))
+  try:
+    ckpt.save(path, ocp.args.Composite(**{
+        PARAMS: ocp.args.StandardSave(jax.tree.map(np.asarray, params)),
+        CONFIG: ocp.args.JsonSave(meta)}))
+    ckpt.wait_until_finished()
+  finally:
+    ckpt.close()
 
 
 def read_config(path: str) -> dict:
@@ -85,7 +117,7 @@ def read_config(path: str) -> dict:
 
 
 def load(path: str, *, abstract_params=None) -> tuple[ModelConfig, dict, dict]:
-  """Reads params and config from one checkpoint directory.
+  """Reads params and config from one checkpoint directory, checked against its manifest.
 
   Args:
     path: a `checkpoint_<step>` directory (or a converted one).
@@ -93,11 +125,20 @@ def load(path: str, *, abstract_params=None) -> tuple[ModelConfig, dict, dict]:
 
   Returns:
     (config, params, the whole JSON config item).
+
+  Raises:
+    manifest.CheckpointDamaged (a UserError) naming what is damaged.
   """
   ocp, ckpt = _checkpointer()
   if not is_native_checkpoint(path):
     raise UserError(f"{path}: not a t5forge checkpoint (needs params/ and config/ inside)")
-  meta = read_config(path)
+  note = manifest.verify(path)
+  if note:
+    print(f"note: {note}", file=sys.stderr)
+  try:
+    meta = read_config(path)
+  except Exception as e:  # pylint: disable=broad-except  # damage Orbax meets, in any form
+    raise manifest.unreadable(path, e) from None
   config = ModelConfig.from_dict(meta["model"], source=os.path.join(path, CONFIG))
   if abstract_params is None:
     from t5forge.nn import abstract_params as _abstract  # pylint: disable=import-outside-toplevel
@@ -110,7 +151,11 @@ def load(path: str, *, abstract_params=None) -> tuple[ModelConfig, dict, dict]:
     restored = ckpt.restore(path, ocp.args.Composite(**{
         PARAMS: ocp.args.StandardRestore(abstract_params)}))
   except (ValueError, KeyError) as e:
+    if note:  # unverified: as likely damage as a mismatch
+      raise manifest.unreadable(path, e) from None
     raise UserError(f"{path}: parameters do not match the config stored with them ({e})") from None
+  except Exception as e:  # pylint: disable=broad-except
+    raise manifest.unreadable(path, e) from None
   return config, restored[PARAMS], meta
 
 

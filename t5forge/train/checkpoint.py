@@ -3,17 +3,22 @@
 A checkpoint is `MODEL_DIR/checkpoint_<step>/` with the items of `convert.native`
 (`params/`, `config/`) plus `opt_state/` and `data_iter/` (every process's data
 iterator state), written asynchronously and committed atomically (Orbax writes a
-temporary directory and renames it). Which checkpoints stay: the latest `keep`, plus the
-best `keep_best` by a metric when one is named.
+temporary directory and renames it) together with `t5forge_manifest.json`, the size and
+sha256 of each file (`convert.manifest`). Which checkpoints stay: the latest `keep`, plus
+the best `keep_best` by a metric when one is named.
 
-Restore order (`restore_or_init`): the latest complete checkpoint in MODEL_DIR (full
-state, data iterator), else INITIAL_CHECKPOINT_PATH (parameters and step from a t5forge,
+Restore order (loop's `_restore_or_init`): the newest intact checkpoint in MODEL_DIR (full
+state, data iterator; `Checkpointer.restore_latest`: a damaged one is named in one line,
+renamed aside to `checkpoint_<step>.damaged-<time>` and the next older one tried; with
+none intact the run refuses), else INITIAL_CHECKPOINT_PATH (parameters and step from a t5forge,
 HF or T5X checkpoint, renamed or dropped by a regex assignment map, missing ones
 initialised fresh if allowed, cast to the model's dtype), else a fresh init.
 """
 from __future__ import annotations
 
+import os
 import re
+import time
 from typing import Any, Callable, Sequence
 
 import jax
@@ -23,7 +28,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
 from t5forge import multihost
-from t5forge.convert import load_checkpoint, native
+from t5forge.convert import load_checkpoint, manifest, native
 from t5forge.errors import UserError
 from t5forge.train.settings import RestoreCheckpointConfig, SaveCheckpointConfig
 
@@ -94,10 +99,15 @@ class Checkpointer:
       keep.append(policies.BestN(get_metric_fn=lambda m: m[metric], reverse=reverse,
                                  n=config.keep_best, keep_checkpoints_without_metrics=False))
     policy = policies.AnyPreservationPolicy(keep) if keep else None
+    self._saving = None  # the directory of the save in flight
+    # Always Orbax's asynchronous checkpointer: its post-finalization callback writes the
+    # manifest into the temporary directory before the commit; `save` waits when
+    # saves are to be synchronous.
     options = ocp.CheckpointManagerOptions(
         step_prefix=native.CHECKPOINT_PREFIX.rstrip("_"), create=True,
-        enable_async_checkpointing=config.async_save, preservation_policy=policy,
-        cleanup_tmp_directories=True)
+        enable_async_checkpointing=True, preservation_policy=policy,
+        cleanup_tmp_directories=True,
+        async_options=ocp.AsyncOptions(post_finalization_callback=self._write_manifest))
     self._mngr = ocp.CheckpointManager(
         model_dir, options=options,
         item_handlers={native.PARAMS: ocp.StandardCheckpointHandler(),
@@ -110,19 +120,31 @@ class Checkpointer:
                 or step in set(self.config.save_steps))
 
   def latest_step(self) -> int | None:
+    """The newest committed step (not checked for damage)."""
     steps = native.checkpoint_steps(self.model_dir)
     return steps[-1] if steps else None
+
+  def step_dir(self, step: int) -> str:
+    return os.path.join(self.model_dir, f"{native.CHECKPOINT_PREFIX}{step}")
+
+  def _write_manifest(self) -> None:
+    # Orbax runs this on the primary process after every process's files are written.
+    manifest.write_staged(self._saving)
 
   def save(self, step: int, state, *, config_item: dict, data_state: Any = None,
            metrics: dict | None = None) -> None:
     """Starts writing checkpoint_<step> (returns before it is on disk when async)."""
     data_item = {"num_processes": jax.process_count(), "states": multihost.gather_json(data_state)}
+    self._mngr.wait_until_finished()  # the previous save's callback still reads _saving
+    self._saving = self.step_dir(step)
     self._mngr.save(step, args=ocp.args.Composite(**{
         native.PARAMS: ocp.args.StandardSave(state.params),
         OPT_STATE: ocp.args.StandardSave(state.opt_state),
-        native.CONFIG: ocp.args.JsonSave(config_item),
+        native.CONFIG: ocp.args.JsonSave({**config_item, manifest.EXPECTED: manifest.MANIFEST}),
         DATA_ITER: ocp.args.JsonSave(data_item),
     }), metrics=metrics, force=True)
+    if not self.config.async_save:
+      self._mngr.wait_until_finished()
 
   def check_compatible(self, step: int, abstract_params: Any) -> None:
     """Names the first parameter whose saved shape differs from the model's."""
@@ -139,15 +161,72 @@ class Checkpointer:
                         f"the model needs {tuple(spec.shape)}; it was written for another "
                         "model (use a new MODEL_DIR, or the matching model gin)")
 
-  def restore(self, step: int, abstract_state) -> tuple[Any, Any, dict]:
-    """-> (params, opt_state, data item) of checkpoint_<step>, placed as abstract_state."""
-    self.check_compatible(step, abstract_state.params)
-    restored = self._mngr.restore(step, args=ocp.args.Composite(**{
-        native.PARAMS: ocp.args.StandardRestore(abstract_state.params),
-        OPT_STATE: ocp.args.StandardRestore(abstract_state.opt_state),
-        DATA_ITER: ocp.args.JsonRestore(),
-    }))
+  def restore(self, step: int, abstract_state, *, log: Callable[[str], None] = print
+              ) -> tuple[Any, Any, dict]:
+    """-> (params, opt_state, data item) of checkpoint_<step>, placed as abstract_state.
+
+    Raises:
+      manifest.CheckpointDamaged: its files differ from its manifest, or Orbax cannot
+        read them.
+      UserError: it was written for another model.
+    """
+    path = self.step_dir(step)
+    note = manifest.verify(path)
+    try:
+      self.check_compatible(step, abstract_state.params)
+      restored = self._mngr.restore(step, args=ocp.args.Composite(**{
+          native.PARAMS: ocp.args.StandardRestore(abstract_state.params),
+          OPT_STATE: ocp.args.StandardRestore(abstract_state.opt_state),
+          DATA_ITER: ocp.args.JsonRestore(),
+      }))
+    except UserError:
+      raise
+    except Exception as e:  # pylint: disable=broad-except  # damage Orbax meets, in any form
+      raise manifest.unreadable(path, e) from None
+    if note:
+      log(f"note: {note}")
     return restored[native.PARAMS], restored[OPT_STATE], restored[DATA_ITER]
+
+  def restore_latest(self, abstract_state, *, log: Callable[[str], None] = print
+                     ) -> tuple[int, tuple[Any, Any, dict]] | None:
+    """The newest intact checkpoint of MODEL_DIR: (step, `restore`'s result), or None
+    when there is no checkpoint.
+
+    Each newer damaged checkpoint is named in one line and renamed aside to
+    `checkpoint_<step>.damaged-<time>`: kept, but out of Orbax's sight, so that neither
+    the preservation policy deletes it nor the save of that step again collides with it
+    (Orbax refuses to save a step that exists). With no intact checkpoint nothing is
+    renamed and UserError says so: starting over from scratch would silently drop the
+    run's progress; the user decides (move them, or use another MODEL_DIR).
+    """
+    damaged = []
+    for step in reversed(native.checkpoint_steps(self.model_dir)):
+      try:
+        restored = self.restore(step, abstract_state, log=log)
+      except manifest.CheckpointDamaged as e:
+        damaged.append(e)
+        continue
+      self._set_aside(damaged, used=self.step_dir(step), log=log)
+      return step, restored
+    if damaged:
+      raise UserError(f"{self.model_dir}: every checkpoint is damaged, none was moved or "
+                      f"deleted: {'; '.join(map(str, damaged))}. Move them aside (or use "
+                      "another MODEL_DIR) to start again from INITIAL_CHECKPOINT_PATH or scratch")
+    return None
+
+  def _set_aside(self, damaged: list[manifest.CheckpointDamaged], *, used: str,
+                 log: Callable[[str], None]) -> None:
+    if not damaged:
+      return
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for error in damaged:
+      aside = f"{error.path}.damaged-{stamp}"
+      if multihost.is_chief():
+        os.rename(error.path, aside)
+      log(f"note: {error}; renamed it to {os.path.basename(aside)} (kept) and resumed from "
+          f"{os.path.basename(used)}")
+    multihost.sync("t5forge_damaged_checkpoints_set_aside")
+    self._mngr.reload()  # Orbax listed the damaged steps when it started
 
   def wait(self) -> None:
     self._mngr.wait_until_finished()
