@@ -108,6 +108,13 @@ class InferenceEvaluator:
     if not tasks:
       raise UserError(f"{dataset_cfg.mixture_or_task_name!r}: no task has a "
                       f"{dataset_cfg.split!r} split with metric_fns to evaluate")
+    if model.vocabulary is not None:  # it decodes the predictions of every task
+      from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
+      for task in tasks:
+        vocab_io.check_task(task, model.vocabulary, against="the model (its VOCABULARY)",
+                            fix="Evaluate a task with the model's vocabulary "
+                            "(MIXTURE_OR_TASK_NAME = @data.with_vocabulary(), see "
+                            "t5forge/data/README.md), or set VOCABULARY = None")
     self.partitioner.check_batch_size(int(dataset_cfg.batch_size))
     per_process = int(dataset_cfg.batch_size) // jax.process_count()
     self.datasets = {}
@@ -314,8 +321,8 @@ def evaluate(*, dataset_cfg, restore_checkpoint_cfg, model=None, output_dir: str
     checkpoints evaluated now.
   """
   from t5forge.convert import load_checkpoint, native  # pylint: disable=import-outside-toplevel
+  from t5forge import data, models  # pylint: disable=import-outside-toplevel
   from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
-  from t5forge import models  # pylint: disable=import-outside-toplevel
   path, mode = restore_checkpoint_cfg.path, restore_checkpoint_cfg.mode
   if not path:
     raise UserError("no checkpoint to evaluate; set CHECKPOINT_PATH (--checkpoint)")
@@ -340,11 +347,17 @@ def evaluate(*, dataset_cfg, restore_checkpoint_cfg, model=None, output_dir: str
   try:
     for ckpt_path in paths:
       ckpt = load_checkpoint(ckpt_path)
+      ckpt_vocab = vocab_io.of_checkpoint(ckpt)
+      if dataset_cfg.module:
+        data.import_task_module(dataset_cfg.module, flag="--module / MIXTURE_OR_TASK_MODULE")
+      vocab_io.check_task(
+          data.get_mixture_or_task(dataset_cfg.mixture_or_task_name), ckpt_vocab,
+          against=f"checkpoint {ckpt.path}",
+          fix="Evaluate the task with the checkpoint's vocabulary: t5forge eval "
+          "--use_checkpoint_vocabulary (gin: MIXTURE_OR_TASK_NAME = @data.with_vocabulary(), "
+          "see t5forge/data/README.md)")
       if model is None:
-        vocab = vocabulary or (vocab_io.from_spec(ckpt.extras.get("vocabulary"))
-                               if ckpt.format == "t5forge" else
-                               vocab_io.from_hf_dir(ckpt.path) if ckpt.format == "hf" else None)
-        model = models.model_for(ckpt.config, vocabulary=vocab)
+        model = models.model_for(ckpt.config, vocabulary=vocabulary or ckpt_vocab)
       if evaluator is None:
         evaluator = InferenceEvaluator(model=model, dataset_cfg=dataset_cfg,
                                        partitioner=partitioner, output_dir=output_dir,

@@ -331,7 +331,7 @@ def infer_task(*, dataset_cfg, restore_checkpoint_cfg, output_dir: str, model=No
   (restore_checkpoint_cfg.path; mode 'latest' for a MODEL_DIR), JSONL to output_dir.
   Feature lengths come from dataset_cfg.task_feature_lengths (None: the longest);
   `overwrite` replaces earlier output of other work (see `infer`)."""
-  from t5forge import models  # pylint: disable=import-outside-toplevel
+  from t5forge import data, models  # pylint: disable=import-outside-toplevel
   from t5forge.convert import load_checkpoint, native  # pylint: disable=import-outside-toplevel
   from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
   if dataset_cfg.module:
@@ -343,9 +343,15 @@ def infer_task(*, dataset_cfg, restore_checkpoint_cfg, output_dir: str, model=No
   # A model gin's layout and weight type apply to the checkpoint as it is read.
   ckpt = load_checkpoint(path, **({} if model is None else {
       "scan_layers": model.config.scan_layers, "weight_dtype": model.config.weight_dtype}))
+  vocab = vocab_io.of_checkpoint(ckpt)
+  item = data.get_mixture_or_task(dataset_cfg.mixture_or_task_name)
+  fix = ("Run the task with the checkpoint's vocabulary: MIXTURE_OR_TASK_NAME = "
+         "@data.with_vocabulary() (see t5forge/data/README.md)")
+  vocab_io.check_task(item, vocab, against=f"checkpoint {ckpt.path}", fix=fix)
+  if model is not None and model.vocabulary is not None:
+    vocab_io.check_task(item, model.vocabulary, against="the model (its VOCABULARY)",
+                        fix=fix + ", or set VOCABULARY = None")
   examples, task = examples_from_task(dataset_cfg.mixture_or_task_name, dataset_cfg.split)
-  vocab = (vocab_io.from_spec(ckpt.extras.get("vocabulary")) if ckpt.format == "t5forge" else
-           vocab_io.from_hf_dir(ckpt.path) if ckpt.format == "hf" else None)
   vocab = vocab or task.output_features["targets"].vocabulary
   if model is None:
     model = models.model_for(ckpt.config, vocabulary=vocab)

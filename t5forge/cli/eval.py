@@ -63,14 +63,24 @@ def main(argv: list[str]) -> int:
                       help="evaluate even checkpoints already evaluated the same way")
   parser.add_argument("--output_dir", default=None)
   parser.add_argument("--module", default=None, help="module to import (registers tasks)")
+  parser.add_argument("--use_checkpoint_vocabulary", action="store_true",
+                      help="tokenize the task with the checkpoint's vocabulary instead of its "
+                      "own (e.g. a model fine-tuned from Flan-T5 with finetune_from_hf.gin)")
   decode_flags.add(parser)
   args = parser.parse_args(argv)
   from t5forge import evaluate  # pylint: disable=import-outside-toplevel
+  task = args.task
+  if args.use_checkpoint_vocabulary:
+    from t5forge import data  # pylint: disable=import-outside-toplevel
+    from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
+    if args.module:
+      data.import_task_module(args.module)
+    task = data.with_vocabulary(task, vocab_io.from_checkpoint(args.checkpoint))
   from t5forge.convert import native  # pylint: disable=import-outside-toplevel
   from t5forge.train.settings import DatasetConfig, RestoreCheckpointConfig  # pylint: disable=import-outside-toplevel
   mode = args.mode or ("latest" if native.checkpoint_steps(args.checkpoint) else "specific")
   evaluate.evaluate(
-      dataset_cfg=DatasetConfig(args.task, _lengths(args.feature_lengths), split=args.split,
+      dataset_cfg=DatasetConfig(task, _lengths(args.feature_lengths), split=args.split,
                                 batch_size=args.batch_size, shuffle=False, pack=False,
                                 module=args.module),
       restore_checkpoint_cfg=RestoreCheckpointConfig(path=args.checkpoint, mode=mode),

@@ -59,6 +59,9 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--vocabulary", default=None,
                       help="SentencePiece .model when the checkpoint carries none")
   parser.add_argument("--module", default=None, help="module to import (registers tasks)")
+  parser.add_argument("--use_checkpoint_vocabulary", action="store_true",
+                      help="with --task: tokenize the task with the checkpoint's vocabulary "
+                      "(or --vocabulary) instead of its own")
   decode_flags.add(parser)
   args = parser.parse_args(argv)
   opts = decode_flags.options(args)
@@ -73,10 +76,16 @@ def main(argv: list[str]) -> int:
     import_task_module(args.module)
   ckpt = load_checkpoint(args.checkpoint, **decode_flags.runtime_overrides(args))
   vocab = (SentencePieceVocabulary(args.vocabulary, extra_ids=100) if args.vocabulary else
-           vocab_io.from_spec(ckpt.extras.get("vocabulary")) if ckpt.format == "t5forge" else
-           vocab_io.from_hf_dir(ckpt.path) if ckpt.format == "hf" else None)
+           vocab_io.of_checkpoint(ckpt))
   if args.task:
-    examples, task = infer.examples_from_task(args.task, args.split)
+    from t5forge import data  # pylint: disable=import-outside-toplevel
+    task_name = (data.with_vocabulary(args.task, vocab) if args.use_checkpoint_vocabulary
+                 else args.task)
+    vocab_io.check_task(
+        data.get_mixture_or_task(task_name), vocab,
+        against=f"--vocabulary {args.vocabulary}" if args.vocabulary else f"checkpoint {ckpt.path}",
+        fix="Tokenize the task with the checkpoint's vocabulary: --use_checkpoint_vocabulary")
+    examples, task = infer.examples_from_task(task_name, args.split)
     vocab = vocab or task.output_features["targets"].vocabulary
     name = args.name or args.task
   else:
