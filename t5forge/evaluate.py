@@ -299,8 +299,8 @@ def _shown(scalars: dict[str, float]) -> str:
 
 def evaluate(*, dataset_cfg, restore_checkpoint_cfg, model=None, output_dir: str | None = None,
              partitioner: Partitioner | None = None, decode_options: DecodeOptions | None = None,
-             num_examples: int | None = None, vocabulary=None,
-             force: bool = False) -> dict[int, dict[str, float]]:
+             num_examples: int | None = None, vocabulary=None, force: bool = False,
+             load_overrides: dict | None = None) -> dict[int, dict[str, float]]:
   """`t5forge eval`: one, the latest, or all checkpoints (T5X's eval.py).
 
   A checkpoint is skipped when <task>-metrics.jsonl already has, for every task, a record
@@ -315,6 +315,8 @@ def evaluate(*, dataset_cfg, restore_checkpoint_cfg, model=None, output_dir: str
     model: the model (gin's MODEL); default built from the checkpoint's config.
     output_dir: default <MODEL_DIR>/inference_eval.
     force: evaluate even checkpoints with a matching record.
+    load_overrides: runtime ModelConfig fields applied as checkpoints are read
+      (`--dtype`, `--weight_dtype`); a gin MODEL's own layout and weight type otherwise.
 
   Returns:
     {step: {"inference_eval/<task>/<metric>": value, ".../num_examples": n}} for the
@@ -345,8 +347,17 @@ def evaluate(*, dataset_cfg, restore_checkpoint_cfg, model=None, output_dir: str
   output_dir = output_dir or os.path.join(model_dir, "inference_eval")
   evaluator, results = None, {}
   try:
+    # A gin MODEL's layout and weight type apply to the checkpoints as they are read.
+    overrides = dict(load_overrides or {}) if model is None else {
+        "scan_layers": model.config.scan_layers, "weight_dtype": model.config.weight_dtype}
     for ckpt_path in paths:
-      ckpt = load_checkpoint(ckpt_path)
+      try:
+        ckpt = load_checkpoint(ckpt_path, **overrides)
+      except UserError as e:
+        if mode != "all" or len(paths) == 1:
+          raise
+        print(f"note: {str(e).splitlines()[0]}; skipped")  # a damaged one of many
+        continue
       ckpt_vocab = vocab_io.of_checkpoint(ckpt)
       if dataset_cfg.module:
         data.import_task_module(dataset_cfg.module, flag="--module / MIXTURE_OR_TASK_MODULE")
@@ -358,6 +369,7 @@ def evaluate(*, dataset_cfg, restore_checkpoint_cfg, model=None, output_dir: str
           "see t5forge/data/README.md)")
       if model is None:
         model = models.model_for(ckpt.config, vocabulary=vocabulary or ckpt_vocab)
+      models.check_params_fit(model, ckpt.params, source=ckpt.path)
       if evaluator is None:
         evaluator = InferenceEvaluator(model=model, dataset_cfg=dataset_cfg,
                                        partitioner=partitioner, output_dir=output_dir,

@@ -313,16 +313,6 @@ def _merge(base: str, n_chunks: int) -> None:
     os.remove(stale)
 
 
-def check_model_fits(model, ckpt) -> None:
-  """UserError naming the first parameter where a model gin's MODEL and the checkpoint
-  disagree (the model gin of another size), instead of a shape error inside jit."""
-  from t5forge import nn  # pylint: disable=import-outside-toplevel
-  mismatch = nn.params_mismatch(model.config, ckpt.params)
-  if mismatch:
-    raise UserError(f"{ckpt.path}: {mismatch}; the model gin does not match this checkpoint: "
-                    "include the model gin of the checkpoint's architecture and size")
-
-
 def infer_task(*, dataset_cfg, restore_checkpoint_cfg, output_dir: str, model=None,
                mode: str = "predict", partitioner: Partitioner | None = None,
                decode_options: DecodeOptions | None = None, chunk_size: int = 1024,
@@ -357,7 +347,7 @@ def infer_task(*, dataset_cfg, restore_checkpoint_cfg, output_dir: str, model=No
     model = models.model_for(ckpt.config, vocabulary=vocab)
   elif model.vocabulary is None:  # a model gin's VOCABULARY = None: the checkpoint's / task's
     model.vocabulary = vocab
-  check_model_fits(model, ckpt)
+  models.check_params_fit(model, ckpt.params, source=ckpt.path)
   lengths = dict(dataset_cfg.task_feature_lengths or {})
   return infer(model=model, params=jax.device_put(ckpt.params), examples=examples,
                output_dir=output_dir, name=dataset_cfg.mixture_or_task_name, step=ckpt.step,

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from t5forge import decoding, losses
 from t5forge import nn as t5nn
+from t5forge.errors import UserError
 from t5forge.nn.config import ModelConfig
 
 ENC_DEC_FEATURES = ("encoder_input_tokens", "decoder_input_tokens", "decoder_target_tokens",
@@ -293,6 +294,16 @@ class DecoderOnlyModel(BaseModel):
     if not self.inputs_bidirectional_attention and "decoder_causal_attention" in batch:
       batch = {k: v for k, v in batch.items() if k != "decoder_causal_attention"}
     return super().logits(params, batch, dropout_rng)
+
+
+def check_params_fit(model: BaseModel, params: dict, *, source: str) -> None:
+  """UserError naming the first parameter where `params` (read from `source`) and the
+  model disagree, e.g. a model gin of another size than the checkpoint, instead of a
+  shape error from inside jit."""
+  mismatch = t5nn.params_mismatch(model.config, params)
+  if mismatch:
+    raise UserError(f"{source}: {mismatch}; the model gin does not match this checkpoint: "
+                    "include the model gin of the checkpoint's architecture and size")
 
 
 def model_for(config: ModelConfig, **kwargs) -> BaseModel:

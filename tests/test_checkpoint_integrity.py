@@ -147,6 +147,18 @@ def test_eval_and_infer_of_a_damaged_checkpoint_say_so_in_one_line(trained, tmp_
   assert f"{ckpt8}: damaged:" in errors[0] and all(w in errors[0] for w in words), errors[0]
 
 
+def test_eval_mode_all_skips_a_damaged_checkpoint_with_a_note(trained, tmp_path):
+  model_dir = _copy(trained, tmp_path)
+  _damage("flipped", os.path.join(model_dir, "checkpoint_4"))
+  r = subprocess.run([sys.executable, "-m", "t5forge", "eval", "--checkpoint", model_dir,
+                      "--mode", "all", "--task", "bible_translate_en_es", "--num_examples", "2",
+                      "--feature_lengths", "inputs=32,targets=4", "--batch_size", "2"],
+                     capture_output=True, text=True, cwd=ROOT, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "checkpoint_4: damaged:" in r.stdout and "skipped" in r.stdout, r.stdout
+  assert "step 8: " in r.stdout and "(2 examples)" in r.stdout, r.stdout
+
+
 def test_load_of_a_damaged_checkpoint_raises_and_a_model_dir_falls_back(trained, tmp_path,
                                                                          capsys):
   model_dir = _copy(trained, tmp_path)

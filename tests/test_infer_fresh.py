@@ -171,6 +171,16 @@ def test_eval_skips_only_a_matching_record_and_force_redoes(model_dir, tmp_path,
   assert read_jsonl(metrics)[-1]["num_examples"] == 2
 
 
+def test_eval_runtime_flags_take_effect(model_dir, tmp_path, user_path):
+  """--weight_dtype / --dtype used to be accepted by `eval` and ignored (item 6)."""
+  out = tmp_path / "eval"
+  assert _eval(model_dir, out, "--num_examples", "2").returncode == 0
+  r = _eval(model_dir, out, "--num_examples", "2", "--weight_dtype", "int8")
+  assert r.returncode == 0 and "already evaluated" not in r.stdout, (r.stdout, r.stderr[-2000:])
+  records = read_jsonl(out / "fresh_tiny_en_es-metrics.jsonl")
+  assert [x["coverage"]["model"]["weight_dtype"] for x in records] == ["float32", "int8"]
+
+
 def test_trainers_partial_infer_eval_does_not_stand_for_the_split(model_dir, tmp_path,
                                                                    monkeypatch, user_path):
   """The issue's case: training's hook scored the first examples; `t5forge eval` then

@@ -85,5 +85,6 @@ def main(argv: list[str]) -> int:
                                 module=args.module),
       restore_checkpoint_cfg=RestoreCheckpointConfig(path=args.checkpoint, mode=mode),
       output_dir=args.output_dir, decode_options=decode_flags.options(args),
-      num_examples=args.num_examples, force=args.force)
+      num_examples=args.num_examples, force=args.force,
+      load_overrides=decode_flags.runtime_overrides(args))
   return 0

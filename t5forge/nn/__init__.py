@@ -62,7 +62,10 @@ def named_leaves(tree) -> dict:
 def params_mismatch(config: ModelConfig, params) -> str | None:
   """How `params` differ from what a model of `config` holds: the first missing,
   extra or differently shaped parameter, in words; None when they fit."""
-  want, have = named_leaves(abstract_params(config)), named_leaves(params)
+  want = named_leaves(abstract_params(config))
+  # int8 kernels (nn/quant.py) hold `.q` [same shape as the kernel] and `.scale`.
+  have = {name[:-len("/.q")] if name.endswith("/.q") else name: leaf
+          for name, leaf in named_leaves(params).items() if not name.endswith("/.scale")}
   for name, spec in want.items():
     if name not in have:
       return f"has no parameter {name!r}"
