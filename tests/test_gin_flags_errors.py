@@ -15,7 +15,7 @@ import pytest
 
 from t5forge.cli import gin_flags
 from t5forge.errors import UserError
-from train_helpers import ROOT, run_train, write_gin
+from train_helpers import ROOT, error_line, run_train, write_gin
 
 EXAMPLE = "t5forge/configs/examples/bible_translate_from_scratch.gin"
 
@@ -23,14 +23,6 @@ EXAMPLE = "t5forge/configs/examples/bible_translate_from_scratch.gin"
 def _cli(*args, cwd=ROOT, env=None, timeout=300):
   return subprocess.run([sys.executable, "-m", "t5forge", *args], capture_output=True,
                         text=True, cwd=cwd, env=env, timeout=timeout)
-
-
-def _error_line(r) -> str:
-  assert r.returncode == 2, (r.stdout[-1500:], r.stderr[-1500:])
-  assert "Traceback" not in r.stderr, r.stderr[-3000:]
-  lines = [l for l in r.stderr.splitlines() if l.startswith("t5forge: error:")]
-  assert len(lines) == 1, r.stderr[-2000:]
-  return lines[0]
 
 
 def test_command_line_macro_that_no_gin_uses_is_refused_with_the_closest_name():
@@ -56,29 +48,29 @@ def test_unquoted_relative_path_and_gin_syntax_error_are_one_line(tmp_path):
     gin_flags.parse(files, ["MODEL_DIR=runs/x"])
   bad = tmp_path / "bad.gin"
   bad.write_text(f"include '{EXAMPLE}'\nTRAIN_STEPS = [3\n")
-  msg = _error_line(_cli("train", f"--gin_file={bad}", f'--gin.MODEL_DIR="{tmp_path}/m"'))
+  msg = error_line(_cli("train", f"--gin_file={bad}", f'--gin.MODEL_DIR="{tmp_path}/m"'))
   assert "gin syntax error" in msg and "bad.gin" in msg
 
 
 def test_malformed_feature_lengths_is_one_line(tmp_path):
-  msg = _error_line(_cli("eval", "--checkpoint", str(tmp_path), "--task",
+  msg = error_line(_cli("eval", "--checkpoint", str(tmp_path), "--task",
                          "bible_translate_en_es", "--feature_lengths", "inputs512"))
   assert "--feature_lengths" in msg and "inputs=512,targets=128" in msg
 
 
 def test_unimportable_module_names_the_flag_and_pythonpath(tmp_path):
-  msg = _error_line(_cli("infer", "--checkpoint", str(tmp_path), "--task", "my_task",
+  msg = error_line(_cli("infer", "--checkpoint", str(tmp_path), "--task", "my_task",
                          "--module", "no_such_tasks_module", "--output_dir", str(tmp_path / "o")))
   assert "--module no_such_tasks_module" in msg and "PYTHONPATH" in msg
   # A tasks.py that imports SeqIO: say what to change, not "put it on PYTHONPATH".
   (tmp_path / "seqio_tasks.py").write_text("import seqio\n")
-  msg = _error_line(_cli("infer", "--checkpoint", str(tmp_path), "--task", "my_task",
+  msg = error_line(_cli("infer", "--checkpoint", str(tmp_path), "--task", "my_task",
                          "--module", "seqio_tasks", "--output_dir", str(tmp_path / "o"),
                          cwd=str(tmp_path)))
   assert "'seqio'" in msg and "t5forge.data" in msg
   # T5X style: MIXTURE_OR_TASK_MODULE in a training gin.
   gin = write_gin(tmp_path / "run.gin", steps=1)
-  msg = _error_line(run_train(gin, tmp_path / "m", 'MIXTURE_OR_TASK_MODULE="no_such_tasks_mod"'))
+  msg = error_line(run_train(gin, tmp_path / "m", 'MIXTURE_OR_TASK_MODULE="no_such_tasks_mod"'))
   assert "no_such_tasks_mod" in msg and "PYTHONPATH" in msg
 
 
@@ -124,7 +116,7 @@ def test_model_gin_of_another_size_in_t5x_style_infer_is_one_line(tmp_path):
   from t5forge.convert import native  # pylint: disable=import-outside-toplevel
   config = presets.get("t5_1_1.tiny", vocab_size=8000)
   native.save(str(tmp_path / "ckpt"), config, nn.init_params(config, jax.random.key(0)))
-  msg = _error_line(_cli(
+  msg = error_line(_cli(
       "infer", "--gin_file=models/t5_1_1/small.gin", "--gin_file=runs/infer.gin",
       f'--gin.CHECKPOINT_PATH="{tmp_path}/ckpt"', f'--gin.INFER_OUTPUT_DIR="{tmp_path}/out"',
       "--gin.MIXTURE_OR_TASK_NAME='bible_translate_en_es'", "--gin.BATCH_SIZE=2"))

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from train_helpers import ROOT, run_train, write_gin
+from train_helpers import ROOT, error_line, run_train, write_gin
 
 
 def _cli(*args, timeout=600):
@@ -25,13 +25,6 @@ def model_dir(tmp_path_factory):
   r = run_train(gin, d / "model")
   assert r.returncode == 0, r.stderr[-3000:]
   return d / "model"
-
-
-def _error(r):
-  assert r.returncode == 2, (r.stdout[-1500:], r.stderr[-1500:])
-  lines = [l for l in r.stderr.splitlines() if l.startswith("t5forge: error:")]
-  assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
-  return lines[0]
 
 
 def test_infer_file_modes_write_t5x_jsonl(model_dir, tmp_path):
@@ -105,23 +98,23 @@ def test_bad_input(model_dir, tmp_path):
   empty = tmp_path / "empty.txt"
   empty.write_text("")
   base = ("infer", "--checkpoint", str(model_dir), "--output_dir", str(tmp_path / "o"))
-  assert "empty" in _error(_cli(*base, "--input", str(empty)))
+  assert "empty" in error_line(_cli(*base, "--input", str(empty)))
   bad = tmp_path / "bad.txt"
   bad.write_bytes(b"fine line\n\xff\xfe broken\n")
-  msg = _error(_cli(*base, "--input", str(bad)))
+  msg = error_line(_cli(*base, "--input", str(bad)))
   assert f"{bad}:2" in msg and "UTF-8" in msg
   long_in = tmp_path / "long.txt"
   long_in.write_text("word " * 200 + "\nshort\n")
-  msg = _error(_cli(*base, "--input", str(long_in), "--max_input_length", "16", "--strict"))
+  msg = error_line(_cli(*base, "--input", str(long_in), "--max_input_length", "16", "--strict"))
   assert f"{long_in}:1" in msg and "16" in msg
   r = _cli(*base, "--input", str(long_in), "--max_input_length", "16", "--max_decode_length", "4")
   assert r.returncode == 0 and "1 of 2 inputs were longer than 16 tokens" in r.stdout
-  msg = _error(_cli("infer", "--checkpoint", str(tmp_path), "--input", str(long_in),
+  msg = error_line(_cli("infer", "--checkpoint", str(tmp_path), "--input", str(long_in),
                     "--output_dir", str(tmp_path / "o2")))
   assert "not a checkpoint" in msg and "long.txt" in msg  # says what it found instead
-  msg = _error(_cli(*base, "--input", str(long_in), "--topk", "5", "--topp", "0.9"))
+  msg = error_line(_cli(*base, "--input", str(long_in), "--topk", "5", "--topp", "0.9"))
   assert "topk and topp" in msg
-  msg = _error(_cli(*base, "--input", str(long_in), "--beam_size", "0"))
+  msg = error_line(_cli(*base, "--input", str(long_in), "--beam_size", "0"))
   assert "num_decodes" in msg
 
 

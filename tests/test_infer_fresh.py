@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from train_helpers import ROOT, read_jsonl, run_train, write_gin
+from train_helpers import ROOT, error_line, read_jsonl, run_train, write_gin
 
 TASKS_PY = '''
 import functools
@@ -53,13 +53,6 @@ def _cli(*args, timeout=600):
                         text=True, cwd=ROOT, timeout=timeout, env=env)
 
 
-def _error(r):
-  assert r.returncode == 2, (r.stdout[-1500:], r.stderr[-1500:])
-  lines = [l for l in r.stderr.splitlines() if l.startswith("t5forge: error:")]
-  assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
-  return lines[0]
-
-
 def _pairs(path, rows):
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text("".join(f"translate English to Spanish: {en}\t{es}\n" for en, es in rows))
@@ -75,7 +68,7 @@ def test_infer_other_mode_is_refused_and_overwrite_replaces(model_dir, tmp_path)
   src, out = _pairs(tmp_path / "pairs.tsv", VERSES[:2]), tmp_path / "out"
   assert _infer(model_dir, src, out).returncode == 0
   assert "prediction" in read_jsonl(out / "pairs-4.jsonl")[0]
-  msg = _error(_infer(model_dir, src, out, "--mode", "score"))
+  msg = error_line(_infer(model_dir, src, out, "--mode", "score"))
   assert "pairs-4.jsonl was made with --mode predict, now score" in msg, msg
   assert "--overwrite" in msg
   assert "prediction" in read_jsonl(out / "pairs-4.jsonl")[0]  # refused: left as it was
@@ -92,10 +85,10 @@ def test_infer_other_decoding_or_inputs_is_refused_same_work_resumes(model_dir, 
   assert _infer(model_dir, src, out).returncode == 0
   merged = out / "pairs-4.jsonl"
   before = merged.read_bytes()
-  msg = _error(_infer(model_dir, src, out, "--beam_size", "4"))
+  msg = error_line(_infer(model_dir, src, out, "--beam_size", "4"))
   assert "--method greedy, now beam" in msg and "--num_decodes (--beam_size) 1, now 4" in msg
   other = _pairs(tmp_path / "b" / "pairs.tsv", VERSES[2:4])  # same basename, other verses
-  msg = _error(_infer(model_dir, other, out))
+  msg = error_line(_infer(model_dir, other, out))
   assert "pairs-4.jsonl was made with other inputs" in msg and "--overwrite" in msg, msg
   r = _infer(model_dir, src, out)  # the same work again: the same file, nothing computed
   assert r.returncode == 0 and "0 of 1 chunks computed now" in r.stdout, r.stderr[-2000:]
@@ -107,7 +100,7 @@ def test_infer_never_reuses_output_or_chunks_it_cannot_vouch_for(model_dir, tmp_
   out.mkdir()
   # What the previous version left: a merged file and no fingerprint.
   (out / "pairs-4.jsonl").write_text('{"inputs": {}, "prediction": "stale"}\n')
-  msg = _error(_infer(model_dir, src, out, "--chunk_size", "1"))
+  msg = error_line(_infer(model_dir, src, out, "--chunk_size", "1"))
   assert "pairs-4.jsonl has no record" in msg and "--overwrite" in msg, msg
   r = _infer(model_dir, src, out, "--chunk_size", "1", "--overwrite")
   assert r.returncode == 0 and "2 of 2 chunks computed now" in r.stdout, r.stderr[-2000:]

@@ -17,7 +17,7 @@ import pytest
 
 from t5forge.errors import UserError
 from t5forge.train import run_lock
-from train_helpers import ROOT, read_jsonl, run_train, train_cmd, write_gin
+from train_helpers import ROOT, error_line, read_jsonl, run_train, train_cmd, write_gin
 
 HOST = socket.gethostname()
 
@@ -34,13 +34,6 @@ def _write_record(model_dir, **record):
   with open(os.path.join(model_dir, ".lock"), "w", encoding="utf-8") as f:
     json.dump({"host": HOST, "since": "2024-01-01 00:00:00", "command": "t5forge train",
                **record}, f)
-
-
-def _error_line(r):
-  assert r.returncode == 2, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
-  lines = [l for l in r.stderr.splitlines() if l.startswith("t5forge: error:")]
-  assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
-  return lines[0]
 
 
 # ------------------------------------------------------------------------ the lock, in-process
@@ -126,7 +119,7 @@ def test_train_refuses_a_model_dir_in_use(tmp_path):
   model_dir = tmp_path / "model"
   gin = write_gin(tmp_path / "run.gin", steps=4, period=4)
   with run_lock.RunLock(str(model_dir), command="t5forge train"):
-    msg = _error_line(run_train(gin, model_dir))
+    msg = error_line(run_train(gin, model_dir))
   assert f"is in use by pid {os.getpid()} on host {HOST}" in msg
   assert "wait for it, or use another MODEL_DIR" in msg
   # Refused before writing anything into MODEL_DIR.
@@ -159,7 +152,7 @@ def test_two_concurrent_runs_one_refused(tmp_path):
   loser = next(r for r in results if r.returncode == 2)
   winner = next(r for r in results if r.returncode == 0)
   winner_pid = procs[results.index(winner)].pid
-  assert f"in use by pid {winner_pid} on host {HOST}" in _error_line(loser)
+  assert f"in use by pid {winner_pid} on host {HOST}" in error_line(loser)
   steps = [row["step"] for row in read_jsonl(model_dir / "metrics.jsonl")
            if row["split"] == "train"]
   assert steps == [2, 4, 6, 8]
@@ -192,5 +185,5 @@ def test_a_refused_multi_process_job_fails_on_every_process(tmp_path):
           p.kill()
           p.wait()
   for i, r in enumerate(results):
-    assert f"in use by pid {os.getpid()} on host {HOST}" in _error_line(r), i
+    assert f"in use by pid {os.getpid()} on host {HOST}" in error_line(r), i
   assert sorted(os.listdir(model_dir)) == [".lock"]

@@ -3,19 +3,12 @@ simply nothing to do), and nothing half-written."""
 import os
 
 from t5forge.convert import native
-from train_helpers import run_train, write_gin
-
-
-def _error_line(r):
-  assert r.returncode == 2, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
-  lines = [l for l in r.stderr.splitlines() if l.startswith("t5forge: error:")]
-  assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
-  return lines[0]
+from train_helpers import error_line, run_train, write_gin
 
 
 def test_batch_not_divisible_by_microbatches(tmp_path):
   gin = write_gin(tmp_path / "run.gin")
-  msg = _error_line(run_train(gin, tmp_path / "m", "trainer.Trainer.num_microbatches=3"))
+  msg = error_line(run_train(gin, tmp_path / "m", "trainer.Trainer.num_microbatches=3"))
   assert "BATCH_SIZE 8" in msg and "num_microbatches 3" in msg
   assert not any(native.checkpoint_steps(str(tmp_path / "m")))
   assert not os.path.exists(tmp_path / "m" / "metrics.jsonl")
@@ -27,7 +20,7 @@ def test_no_model_dir(tmp_path):
   from train_helpers import ROOT  # pylint: disable=import-outside-toplevel
   r = subprocess.run([sys.executable, "-m", "t5forge", "train", f"--gin_file={gin}"],
                      capture_output=True, text=True, cwd=ROOT, timeout=300)
-  msg = _error_line(r)
+  msg = error_line(r)
   assert "MODEL_DIR is required" in msg and "--gin.MODEL_DIR" in msg
 
 
@@ -35,7 +28,7 @@ def test_model_dir_not_writable(tmp_path):
   gin = write_gin(tmp_path / "run.gin")
   blocker = tmp_path / "a_file"
   blocker.write_text("x")
-  msg = _error_line(run_train(gin, blocker / "model"))
+  msg = error_line(run_train(gin, blocker / "model"))
   assert "not writable" in msg and "a_file/model" in msg
 
 
@@ -45,21 +38,21 @@ def test_unquoted_path_unknown_binding_and_parameter(tmp_path):
   from train_helpers import ROOT  # pylint: disable=import-outside-toplevel
   r = subprocess.run([sys.executable, "-m", "t5forge", "train", f"--gin_file={gin}",
                       f"--gin.MODEL_DIR={tmp_path}/m"], capture_output=True, text=True, cwd=ROOT)
-  assert "quoted" in _error_line(r)
-  msg = _error_line(run_train(gin, tmp_path / "m", "utils.NoSuchConfig.period=3"))
+  assert "quoted" in error_line(r)
+  msg = error_line(run_train(gin, tmp_path / "m", "utils.NoSuchConfig.period=3"))
   assert "utils.NoSuchConfig" in msg
-  msg = _error_line(run_train(gin, tmp_path / "m", "train_script.train.bogus_flag=3"))
+  msg = error_line(run_train(gin, tmp_path / "m", "train_script.train.bogus_flag=3"))
   assert "bogus_flag" in msg and "train" in msg
   bad = tmp_path / "bad.gin"
   bad.write_text(open(gin).read() + "\nBATCH_SIZE = %NOT_DEFINED_ANYWHERE\n")
-  msg = _error_line(run_train(bad, tmp_path / "m"))
+  msg = error_line(run_train(bad, tmp_path / "m"))
   assert "NOT_DEFINED_ANYWHERE" in msg
 
 
 def test_checkpoint_of_another_model_names_the_parameter(tmp_path):
   gin = write_gin(tmp_path / "run.gin", steps=2, period=2)
   assert run_train(gin, tmp_path / "m").returncode == 0
-  msg = _error_line(run_train(gin, tmp_path / "m", "TRAIN_STEPS=4",
+  msg = error_line(run_train(gin, tmp_path / "m", "TRAIN_STEPS=4",
                               "network.ModelConfig.emb_dim=32"))
   assert "checkpoint_2" in msg and "(64,)" in msg and "(32,)" in msg
   assert native.checkpoint_steps(str(tmp_path / "m")) == [2]
@@ -81,7 +74,7 @@ utils.create_learning_rate_scheduler.decay_factor = 1e40
 utils.create_learning_rate_scheduler.steps_per_decay = 4
 """)
   r = run_train(gin, tmp_path / "m")
-  msg = _error_line(r)
+  msg = error_line(r)
   assert "NaN/Inf at step" in msg and "last good checkpoint" in msg
   steps = native.checkpoint_steps(str(tmp_path / "m"))
   assert steps and 4 <= steps[-1] < 20 and f"checkpoint_{steps[-1]} is the last good" in msg

@@ -44,3 +44,11 @@ def read_jsonl(path):
   import json  # pylint: disable=import-outside-toplevel
   with open(path) as f:
     return [json.loads(line) for line in f if line.strip()]
+
+
+def error_line(r) -> str:
+  """The one `t5forge: error:` line of a CLI run that must fail with exit 2 and no traceback."""
+  assert r.returncode == 2, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+  lines = [l for l in r.stderr.splitlines() if l.startswith("t5forge: error:")]
+  assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+  return lines[0]
