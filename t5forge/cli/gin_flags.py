@@ -97,6 +97,9 @@ def parse(files: Sequence[str], bindings: Sequence[str], search_paths: Sequence[
                     "file it includes (an unclosed bracket or quote?)") from None
   except (ValueError, KeyError, SyntaxError, ImportError, OSError, TypeError, NameError) as e:
     raise UserError(explain(e)) from None
+  except AttributeError as e:  # a module a gin file imports (`import tasks`) names what is not
+    from t5forge.data.tasks import unknown_name_message  # pylint: disable=import-outside-toplevel
+    raise UserError(f"a gin file's import failed: {unknown_name_message(e)}") from None
   finally:
     logging.getLogger().removeFilter(quiet)
 

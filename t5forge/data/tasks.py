@@ -31,8 +31,10 @@ import importlib
 import inspect
 import logging
 import os
+import re
 import sys
 import threading
+import traceback
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -551,6 +553,33 @@ def import_task_module(name: str, *, flag: str = "--module") -> None:
     where = f" ({e.filename}:{e.lineno})" if isinstance(e, SyntaxError) else ""
     raise UserError(f"{flag} {name}: importing it failed{where}: "
                     f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+  except AttributeError as e:  # a ported tasks.py naming a metric or preprocessor we lack
+    raise UserError(f"{flag} {name}: {unknown_name_message(e)}") from None
+
+
+def unknown_name_message(e: AttributeError) -> str:
+  """One line for `module.name` missing while a user's module ran: where (file:line of the
+  user's code), which name, the closest names the module has, and where the list is.
+
+  A ported `tasks.py` that calls e.g. `t5.evaluation.metrics.glue_f1` as
+  `t5forge.metrics.glue_f1` ends here instead of in a traceback."""
+  frames = traceback.extract_tb(e.__traceback__)
+  user = [f for f in frames if "site-packages" not in f.filename
+          and os.sep + "t5forge" + os.sep not in f.filename and not f.filename.startswith("<")]
+  where = f"{user[-1].filename}:{user[-1].lineno}: " if user else ""
+  owner, missing = getattr(e, "obj", None), getattr(e, "name", None)
+  m = re.match(r"module '([\w.]+)' has no attribute '(\w+)'", str(e))
+  if (owner is None or missing is None) and m:  # re-raised (gin) without .obj / .name
+    owner, missing = sys.modules.get(m.group(1)), m.group(2)
+  if owner is None or missing is None:
+    return f"{where}{str(e).splitlines()[0] if str(e) else type(e).__name__}"
+  label = getattr(owner, "__name__", type(owner).__name__)
+  public = [n for n in dir(owner) if not n.startswith("_")]
+  close = difflib.get_close_matches(missing, public, n=3, cutoff=0.5)
+  hint = (f"; did you mean {', '.join(close)}?" if close else
+          f"; it has: {', '.join(public[:40])}{' ...' if len(public) > 40 else ''}")
+  return (f"{where}{label} has no {missing!r}{hint} (T5/SeqIO names that t5forge provides: "
+          "t5forge/data/README.md)")
 
 
 def get_mixture_or_task(name: str) -> Task | Mixture:
