@@ -1,30 +1,50 @@
 # make demo: train a small T5 on the bundled Bible task, evaluate BLEU, show translations.
-# make test: the whole test suite.  Both create .venv (Python 3.11) if it is missing.
+# make test: the whole test suite (~19 min on 2 CPU cores); make test-fast: all but the
+# tests marked slow, for your own edit-test loop.  make bench: the benchmarks.
+# Each creates .venv (Python 3.11) if it is missing and installs what it uses: the demo
+# only the library, test adds pytest + the numerical references (torch, transformers),
+# bench adds torch, transformers and CTranslate2.  .venv/bin/python -m t5forge ... works
+# after any of them.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.t5forge-installed
+# One stamp per set of extras, so `make demo` then `make test` still installs the test
+# extras; each is redone only when the pins change.
+STAMP_BASE := $(VENV)/.t5forge-installed
+STAMP_TEST := $(VENV)/.t5forge-installed-test
+STAMP_BENCH := $(VENV)/.t5forge-installed-bench
+PINS := pyproject.toml requirements.lock
 
-.PHONY: test demo bench venv clean
+.PHONY: test test-fast demo bench venv clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
-# Reinstall only when the pins change.
-$(STAMP): $(PY) pyproject.toml requirements.lock
-	$(PY) -m pip install --quiet -c requirements.lock -e '.[test,bench]'
-	touch $(STAMP)
+$(STAMP_BASE): $(PY) $(PINS)
+	$(PY) -m pip install --quiet -c requirements.lock -e .
+	touch $@
 
-venv: $(STAMP)
+$(STAMP_TEST): $(STAMP_BASE) $(PINS)
+	$(PY) -m pip install --quiet -c requirements.lock -e '.[test]'
+	touch $@
 
-test: $(STAMP)
+$(STAMP_BENCH): $(STAMP_BASE) $(PINS)
+	$(PY) -m pip install --quiet -c requirements.lock -e '.[bench]'
+	touch $@
+
+venv: $(STAMP_BASE)
+
+test: $(STAMP_TEST)
 	$(PY) -m pytest -q tests
 
-demo: $(STAMP)
+test-fast: $(STAMP_TEST)
+	$(PY) -m pytest -q -m "not slow" tests
+
+demo: $(STAMP_BASE)
 	$(PY) -m t5forge demo
 
-bench: $(STAMP)
+bench: $(STAMP_BENCH)
 	$(PY) -m bench
 
 clean:
