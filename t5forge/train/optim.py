@@ -104,12 +104,20 @@ def _plan(shape: tuple[int, ...], axes: tuple[str, ...] | None, *, factored: boo
           min_dim_size_to_factor: int, rules: dict[str, FactorDim] | None) -> _Plan:
   """T5X's factorisation choice for one parameter.
 
-  Parameters of rank <= 2 without a stacked axis use T5X's heuristic: factor the two
-  largest dims if the smaller of them is at least min_dim_size_to_factor. Stacked
-  (scanned) parameters use the logical rules, so statistics, the RMS scale and update
-  clipping are per layer; we also apply the minimum-size test to the rule's row and
-  column groups, so a scanned model trains exactly like its per-layer twin (T5X skips
-  the test for explicit rules; this differs only for dims below 128).
+  As T5X's `Adafactor._parse_rule` / `_factored_dims`:
+
+  * rank <= 2 without a BATCH (stacked) axis: the size heuristic, whatever the rule
+    says: factor the two largest dims if the smaller is at least
+    min_dim_size_to_factor (a [4, 8] kernel is not factored, a [128, 256] one is).
+  * otherwise the logical rule decides, whatever the sizes: ROW dims are averaged
+    out of v_col, COLUMN dims out of v_row, BATCH dims keep their own statistics,
+    RMS scale and clipping (scanned layers). A [2, 4, 8] ("layers", "embed", "mlp")
+    kernel is factored: v_row [2, 4], v_col [2, 8]. A rule without both a ROW and a
+    COLUMN dim leaves the parameter unfactored; ROW and COLUMN next to a NONE dim is
+    refused (T5X: "Incomplete adafactor spec").
+
+  So a scanned model whose dims are below min_dim_size_to_factor keeps factored
+  statistics where its unscanned twin keeps full ones, as in T5X.
   """
   ndim = len(shape)
   all_dims = tuple(range(ndim))
@@ -121,6 +129,11 @@ def _plan(shape: tuple[int, ...], axes: tuple[str, ...] | None, *, factored: boo
     if unknown:
       raise UserError(f"Adafactor factor rules have no entry for logical axis {unknown[0]!r}")
     rule = tuple(rules[a] for a in axes)
+    kinds = set(rule)
+    if {FactorDim.ROW, FactorDim.COLUMN, FactorDim.NONE} <= kinds:
+      raise UserError(f"Adafactor factor rules give logical axes {axes} ROW, COLUMN and NONE "
+                      f"dims (an incomplete factorisation); map the NONE axes to ROW, COLUMN "
+                      f"or BATCH")
   batched = tuple(i for i, r in enumerate(rule or ()) if r is FactorDim.BATCH)
   if ndim <= 2 and not batched:
     if ndim < 2:
@@ -136,9 +149,8 @@ def _plan(shape: tuple[int, ...], axes: tuple[str, ...] | None, *, factored: boo
   cols = tuple(i for i, r in enumerate(rule) if r is FactorDim.COLUMN)
   if not rows or not cols:
     return _Plan(averaging, None, None)
-  if (int(np.prod([shape[i] for i in rows])) < min_dim_size_to_factor
-      or int(np.prod([shape[i] for i in cols])) < min_dim_size_to_factor):
-    return _Plan(averaging, None, None)
+  # An explicit rule factors whatever the sizes (T5X applies min_dim_size_to_factor only
+  # in its heuristic).
   return _Plan(averaging, rows, cols)
 
 
@@ -345,13 +357,16 @@ class Adafactor:
   factored: bool = True
   max_parameter_scale: float | None = None
   global_norm_clip_threshold: float | None = None
+  # {logical axis: FactorDim} (None: T5X's standard_logical_factor_rules()).
+  logical_factor_rules: dict[str, FactorDim] | None = None
 
   def build(self, learning_rate_fn: Schedule, param_axes: Any) -> optax.GradientTransformation:
     return adafactor(learning_rate_fn, param_axes=param_axes, **dataclasses.asdict(self))
 
   def state_axes(self, opt_state: Any, params: Any, param_axes: Any) -> Any:
     return adafactor_state_axes(opt_state, params, param_axes, factored=self.factored,
-                                min_dim_size_to_factor=self.min_dim_size_to_factor)
+                                min_dim_size_to_factor=self.min_dim_size_to_factor,
+                                logical_factor_rules=self.logical_factor_rules)
 
 
 @dataclasses.dataclass(frozen=True)
