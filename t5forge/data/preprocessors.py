@@ -24,6 +24,10 @@ sequentially, and keeps the result (in memory, or on disk with `cache=True`): th
 stage only. The remaining map steps run lazily per example at read time with an
 rng keyed by (seed, global example index), so every epoch gets a fresh span
 corruption and the result does not depend on the host count.
+
+T5's noise masks and token functions (`random_spans_noise_mask`,
+`regular_noise_mask`, `noise_span_to_unique_sentinel`, ...) live in `denoise.py`
+and are importable from here, where a ported `tasks.py` looks for them.
 """
 from __future__ import annotations
 
@@ -36,6 +40,12 @@ from typing import Any
 
 import numpy as np
 
+from t5forge.data.denoise import (  # noqa: F401  (T5's names, re-exported for ported tasks.py)
+    drop_noise_tokens, drop_nonnoise_tokens, iid_noise_mask, noise_span_to_sentinel,
+    noise_span_to_unique_sentinel, noise_token_to_gathered_token, noise_token_to_random_token,
+    noise_token_to_random_token_or_sentinel, noise_token_to_sentinel, nonnoise_span_to_sentinel,
+    nonnoise_span_to_unique_sentinel, permute_noise_tokens, random_prefix_noise_mask,
+    random_spans_helper, random_spans_noise_mask, regular_noise_mask, sentinel_id)
 from t5forge.errors import UserError
 
 Example = dict[str, Any]
@@ -365,110 +375,6 @@ def split_tokens_to_targets_length(x: Example, sequence_length: Mapping[str, int
   return split_tokens(x, max_tokens_per_segment=max_tokens, **kwargs)
 
 
-def random_spans_helper(inputs_length: int, noise_density: float, mean_noise_span_length: float,
-                        extra_tokens_per_span_inputs: int = 1,
-                        extra_tokens_per_span_targets: int = 1) -> tuple[int, int]:
-  """T5's length arithmetic for span corruption without padding.
-
-  Returns:
-    (tokens_length, targets_length): how many raw tokens to cut so that the
-    corrupted inputs (with EOS) are exactly `inputs_length` long, and the length of
-    the corrupted targets (with EOS). For 512, 0.15, 3.0: (568, 114).
-  """
-  def lengths(tokens_length):
-    num_noise = int(round(tokens_length * noise_density))
-    num_nonnoise = tokens_length - num_noise
-    num_spans = int(round(num_noise / mean_noise_span_length))
-    # Inputs keep the non-noise tokens plus a sentinel per span and EOS; targets
-    # the noise tokens plus a sentinel per span and EOS.
-    return (num_nonnoise + num_spans * extra_tokens_per_span_inputs + 1,
-            num_noise + num_spans * extra_tokens_per_span_targets + 1)
-
-  tokens_length = inputs_length - 1
-  while lengths(tokens_length + 1)[0] <= inputs_length:
-    tokens_length += 1
-  inputs_length, targets_length = lengths(tokens_length)
-  # T5's "minor hack" to make targets equal inputs for the 50% density case.
-  if noise_density == 0.5 and targets_length > inputs_length:
-    tokens_length -= 1
-    targets_length -= 1
-  return tokens_length, targets_length
-
-
-def random_spans_noise_mask(length: int, noise_density: float, rng: np.random.Generator,
-                            mean_noise_span_length: float = 3.0) -> np.ndarray:
-  """T5's noise mask: alternating non-noise/noise spans, starting with non-noise.
-
-  num_noise_tokens = round(length * noise_density) and num_noise_spans =
-  round(num_noise_tokens / mean_noise_span_length), both clipped to avoid empty
-  spans; the span lengths are uniformly random partitions.
-
-  Returns:
-    bool [length], True on noise tokens.
-  """
-  orig_length = length
-  length = max(length, 2)  # avoid degeneracy
-  # float32 and round-half-to-even, as T5's tf.round(tf.cast(.., tf.float32)).
-  num_noise = int(np.round(np.float32(length) * np.float32(noise_density)))
-  num_noise = min(max(num_noise, 1), length - 1)
-  num_spans = int(np.round(np.float32(num_noise) / np.float32(mean_noise_span_length)))
-  num_spans = max(num_spans, 1)
-  num_nonnoise = length - num_noise
-
-  def random_segmentation(num_items, num_segments):
-    # Choose which of the num_items - 1 gaps start a new segment.
-    first = np.zeros(num_items, np.int64)
-    cuts = np.zeros(num_items - 1, bool)
-    cuts[:num_segments - 1] = True
-    rng.shuffle(cuts)
-    first[1:] = cuts
-    return np.bincount(np.cumsum(first), minlength=num_segments)
-
-  noise_lengths = random_segmentation(num_noise, num_spans)
-  nonnoise_lengths = random_segmentation(num_nonnoise, num_spans)
-  interleaved = np.stack([nonnoise_lengths, noise_lengths], axis=1).reshape(-1)
-  starts = np.cumsum(interleaved)[:-1]
-  indicator = np.zeros(length, np.int64)
-  indicator[starts] = 1
-  is_noise = np.cumsum(indicator) % 2 == 1
-  return is_noise[:orig_length]
-
-
-def random_prefix_noise_mask(length: int, noise_density: float,
-                             rng: np.random.Generator) -> np.ndarray:
-  """The first k tokens are noise, k uniform in [1, length) (T5's prefix_lm)."""
-  if noise_density != 0.5:
-    raise UserError("random_prefix_noise_mask needs noise_density=0.5 (as T5)")
-  max_input = length - 1
-  min_input = min(max_input, 1)
-  k = int(rng.integers(min_input, max_input + 1))
-  return np.arange(length) < k
-
-
-def noise_span_to_unique_sentinel(tokens: np.ndarray, noise_mask: np.ndarray,
-                                  vocabulary) -> np.ndarray:
-  """Replaces each noise span by one sentinel: vocab_size - 1, vocab_size - 2, ..."""
-  prev_noise = np.concatenate([[False], noise_mask[:-1]])
-  first_noise = noise_mask & ~prev_noise
-  subsequent_noise = noise_mask & prev_noise
-  sentinel = vocabulary.vocab_size - np.cumsum(first_noise)  # (vocab_size - 1) + 1 - k
-  out = np.where(first_noise, sentinel, tokens)
-  return out[~subsequent_noise].astype(np.int32)
-
-
-def nonnoise_span_to_unique_sentinel(tokens: np.ndarray, noise_mask: np.ndarray,
-                                     vocabulary) -> np.ndarray:
-  return noise_span_to_unique_sentinel(tokens, ~noise_mask, vocabulary)
-
-
-def drop_noise_tokens(tokens: np.ndarray, noise_mask: np.ndarray, vocabulary=None) -> np.ndarray:
-  return tokens[~noise_mask]
-
-
-def drop_nonnoise_tokens(tokens: np.ndarray, noise_mask: np.ndarray, vocabulary=None) -> np.ndarray:
-  return tokens[noise_mask]
-
-
 def denoise(x: Example, output_features: Mapping[str, Any], rng: np.random.Generator,
             noise_density: float, noise_mask_fn: Callable, inputs_fn: Callable,
             targets_fn: Callable | None = None,
@@ -476,10 +382,16 @@ def denoise(x: Example, output_features: Mapping[str, Any], rng: np.random.Gener
             input_feature_key: str = "inputs") -> Example:
   """T5's denoise: a noise mask over `targets`, then inputs/targets built from it.
 
+  The building blocks are in `t5forge.data.denoise` (also importable from here).
+
   Args:
-    noise_mask_fn: (length, noise_density, rng) -> bool [length].
-    inputs_fn / targets_fn: (tokens, noise_mask, vocabulary) -> tokens; targets
-      default to the original tokens.
+    noise_mask_fn: (length, noise_density, rng) -> bool [length], e.g.
+      `random_spans_noise_mask`, `regular_noise_mask`, `iid_noise_mask`.
+    inputs_fn / targets_fn: (tokens, noise_mask, vocabulary[, rng]) -> tokens,
+      e.g. `noise_span_to_unique_sentinel`; `rng` is passed when the function names
+      it (T5's `seeds`). Targets default to the original tokens.
+    passthrough_feature_keys: features copied unchanged when the example has them
+      (T5); naming `input_feature_key` or 'targets' is an error.
   """
   if passthrough_feature_keys and {input_feature_key, "targets"} & set(passthrough_feature_keys):
     raise UserError(f"passthrough keys cannot contain {input_feature_key!r} or 'targets'")
@@ -490,11 +402,15 @@ def denoise(x: Example, output_features: Mapping[str, Any], rng: np.random.Gener
                     "the same vocabulary")
   tokens = _ids(x["targets"])
   noise_mask = np.asarray(noise_mask_fn(len(tokens), noise_density, rng), bool)
-  out = {input_feature_key: np.asarray(inputs_fn(tokens, noise_mask, vocabulary), np.int32),
-         "targets": (np.asarray(targets_fn(tokens, noise_mask, vocabulary), np.int32)
-                     if targets_fn else tokens)}
+
+  def apply(fn):
+    return np.asarray(fn(tokens, noise_mask, vocabulary, **call_kwargs(fn, {"rng": rng})),
+                      np.int32)
+
+  out = {input_feature_key: apply(inputs_fn), "targets": apply(targets_fn) if targets_fn else tokens}
   for k in passthrough_feature_keys or ():
-    out[k] = x[k]
+    if k in x:  # T5 passes through the keys the example has
+      out[k] = x[k]
   return out
 
 
@@ -503,30 +419,45 @@ def span_corruption(sequence_length: Mapping[str, int], output_features: Mapping
                     mean_noise_span_length: float = 3.0, noise_density: float = 0.15,
                     input_feature_key: str = "inputs",
                     merge_examples_to_reduce_padding: bool = True,
-                    max_chunk_length: int = 65536) -> list:
+                    max_chunk_length: int = 65536, reserved_for_packing: int | None = None,
+                    passthrough_feature_keys: Sequence[str] | None = None) -> list:
   """T5's pretraining objective: chunk, concatenate, split to 568, corrupt spans.
 
   For inputs length 512 the raw windows are 568 tokens and the targets 114
   (`random_spans_helper`); a targets length below that is an error, as in T5.
+  `reserved_for_packing` shortens the inputs by that many tokens (T5).
+  `passthrough_feature_keys` are copied unchanged into every window; as in T5
+  they need `merge_examples_to_reduce_padding=False` (merged examples have no one
+  value for them) and cannot be the inputs or 'targets'.
   """
+  if passthrough_feature_keys and merge_examples_to_reduce_padding:
+    raise UserError(f"span_corruption: passthrough_feature_keys={list(passthrough_feature_keys)} "
+                    "needs merge_examples_to_reduce_padding=False (as in T5)")
+  if passthrough_feature_keys and {input_feature_key, "targets"} & set(passthrough_feature_keys):
+    raise UserError(f"span_corruption: passthrough_feature_keys cannot contain "
+                    f"{input_feature_key!r} or 'targets'")
+  inputs_length = sequence_length[input_feature_key] - (reserved_for_packing or 0)
   tokens_length, targets_length = random_spans_helper(
-      inputs_length=sequence_length[input_feature_key], noise_density=noise_density,
+      inputs_length=inputs_length, noise_density=noise_density,
       mean_noise_span_length=mean_noise_span_length)
   if sequence_length.get("targets") is not None and sequence_length["targets"] < targets_length:
     raise UserError(f"span corruption with inputs length {sequence_length[input_feature_key]} "
                     f"makes targets of {targets_length} tokens, but the targets length is "
                     f"{sequence_length['targets']}; set it to {targets_length}")
+  # Named only when given, so the cached offline stage of existing tasks keeps its fingerprint.
+  passthrough = ({"passthrough_feature_keys": list(passthrough_feature_keys)}
+                 if passthrough_feature_keys else {})
   steps = [functools.partial(select_random_chunk, feature_key="targets",
-                             max_length=max_chunk_length)]
+                             max_length=max_chunk_length, **passthrough)]
   if merge_examples_to_reduce_padding:
     steps.append(functools.partial(reduce_concat_tokens, feature_key="targets", batch_size=128))
   steps.append(functools.partial(split_tokens, feature_key="targets",
-                                 max_tokens_per_segment=tokens_length))
+                                 max_tokens_per_segment=tokens_length, **passthrough))
   steps.append(functools.partial(
       denoise, noise_density=noise_density,
       noise_mask_fn=functools.partial(_spans_mask, mean_noise_span_length=mean_noise_span_length),
       inputs_fn=noise_span_to_unique_sentinel, targets_fn=nonnoise_span_to_unique_sentinel,
-      input_feature_key=input_feature_key))
+      input_feature_key=input_feature_key, **passthrough))
   return steps
 
 
