@@ -11,13 +11,27 @@ results:
   stemming), " . " replaced by " .\\n" so rougeLsum sees sentences, bootstrap
   aggregate, the mid F-measure. The bootstrap resampling is seeded (T5's is not)
   so a score is reproducible.
+
+One deliberate difference: with several references per example, `bleu` / `chrf`
+read `targets[i]` as example i's list of references; T5's `bleu` reads `targets[i]` as reference stream i (one reference
+for every example). Transpose T5-style stream lists before passing them here.
+
+The GLUE / SuperGLUE metrics follow T5's `t5.evaluation.metrics` on T5's scale and
+keys, computed with the same libraries: `pearson_corrcoef` / `spearman_corrcoef`
+(scipy.stats), `matthews_corrcoef`, `mean_multiclass_f1(num_classes)` and
+`f1_score_with_invalid` (scikit-learn), `edit_distance` (word-level) and
+`mean_group_metric(metric_fn)` (MultiRC, ReCoRD-style per-group means).
+
+An unknown name (`metrics.glue_f1_foo` in a ported tasks.py) raises an
+AttributeError naming the closest known metrics.
 """
 from __future__ import annotations
 
 import collections
+import difflib
 import re
 import string
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -31,7 +45,14 @@ def _check(targets: Sequence, predictions: Sequence) -> None:
 
 def bleu(targets: Sequence, predictions: Sequence[str],
          tokenizer: str = "intl") -> dict[str, float]:
-  """Corpus BLEU (sacrebleu, T5's settings). Targets may be lists of references."""
+  """Corpus BLEU (sacrebleu, T5's settings).
+
+  Args:
+    targets: one reference per example, or per example a list of references
+      (`targets[i]` = example i's references; T5 reads `targets[i]` as reference
+      stream i instead, see the module docstring).
+    predictions: one string per example.
+  """
   import sacrebleu
 
   _check(targets, predictions)
@@ -148,3 +169,149 @@ def squad(targets: Sequence[Sequence[str]], predictions: Sequence[str]) -> dict[
     ems.append(max(float(a == prediction) for a in answers))
     f1s.append(max(_f1(a, prediction) for a in answers))
   return {"em": 100.0 * float(np.mean(ems)), "f1": 100.0 * float(np.mean(f1s))}
+
+
+# GLUE / SuperGLUE: T5's t5.evaluation.metrics, same libraries, keys and 0-100 scale.
+
+
+def pearson_corrcoef(targets: Sequence[float], predictions: Sequence[float]) -> dict[str, float]:
+  """Pearson's r x100 (scipy.stats.pearsonr), as T5's STS-B metric."""
+  import scipy.stats
+
+  _check(targets, predictions)
+  return {"pearson_corrcoef": 100 * float(scipy.stats.pearsonr(targets, predictions)[0])}
+
+
+def spearman_corrcoef(targets: Sequence[float], predictions: Sequence[float]) -> dict[str, float]:
+  """Spearman's rho x100 (scipy.stats.spearmanr), as T5's STS-B metric."""
+  import scipy.stats
+
+  _check(targets, predictions)
+  return {"spearman_corrcoef": 100 * float(scipy.stats.spearmanr(targets, predictions)[0])}
+
+
+def matthews_corrcoef(targets: Sequence, predictions: Sequence) -> dict[str, float]:
+  """Matthews correlation x100 (sklearn.metrics.matthews_corrcoef), T5's CoLA metric."""
+  import sklearn.metrics
+
+  _check(targets, predictions)
+  return {"matthews_corrcoef": 100 * float(sklearn.metrics.matthews_corrcoef(targets, predictions))}
+
+
+def mean_multiclass_f1(num_classes: int, **fbeta_kwargs) -> Callable[..., dict[str, float]]:
+  """The unweighted mean of per-class F1 over labels 0..num_classes-1, x100 (T5's MNLI/CB).
+
+  Returns a metric fn giving {"mean_<num_classes>class_f1": ...}; fbeta_kwargs (e.g.
+  sample_weight) go to sklearn.metrics.fbeta_score. A label absent from both targets
+  and predictions counts as F1 0, as scikit-learn scores it (with a warning silenced).
+  """
+  def metric(targets: Sequence[int], predictions: Sequence[int]) -> dict[str, float]:
+    import sklearn.metrics
+
+    _check(targets, predictions)
+    kwargs = {"zero_division": 0.0, **fbeta_kwargs}
+    score = sklearn.metrics.fbeta_score(targets, predictions, beta=1, labels=range(num_classes),
+                                        average="macro", **kwargs)
+    return {f"mean_{num_classes}class_f1": 100 * float(score)}
+
+  return metric
+
+
+def f1_score_with_invalid(targets: Sequence[int], predictions: Sequence[int]) -> dict[str, float]:
+  """Binary F1 x100 where a prediction other than 0 or 1 counts as wrong (T5's MRPC/QQP).
+
+  An invalid prediction is replaced by the opposite of its target before
+  sklearn.metrics.f1_score; the caller's predictions are not modified.
+  """
+  import sklearn.metrics
+
+  _check(targets, predictions)
+  targets = np.asarray(targets)
+  predictions = np.array(predictions)  # a copy: T5 rewrites its argument in place
+  invalid = (predictions != 0) & (predictions != 1)
+  predictions[invalid] = 1 - targets[invalid]
+  return {"f1": 100 * float(sklearn.metrics.f1_score(targets, predictions))}
+
+
+def _levenshtein(a: Sequence[str], b: Sequence[str]) -> int:
+  """Insertions + deletions + substitutions turning token list a into b."""
+  previous = list(range(len(b) + 1))
+  for i, x in enumerate(a, 1):
+    current = [i]
+    for j, y in enumerate(b, 1):
+      current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (x != y)))
+    previous = current
+  return previous[-1]
+
+
+def edit_distance(targets: Sequence[str], predictions: Sequence[str],
+                  lower: bool = True) -> dict[str, float]:
+  """Word-level Levenshtein distance per example: min, max, mean, median and sum (T5's).
+
+  Words are T5's `re.split(r"[^\\w]", text)` pieces (empty pieces between adjacent
+  non-word characters count as words too, as in T5); `lower` lowercases first.
+  """
+  _check(targets, predictions)
+  if not targets:
+    raise UserError("edit_distance got no examples")
+  distances = []
+  for target, prediction in zip(targets, predictions):
+    if lower:
+      target, prediction = target.lower(), prediction.lower()
+    distances.append(_levenshtein(re.split(r"[^\w]", prediction), re.split(r"[^\w]", target)))
+  return {"min_edit": min(distances), "max_edit": max(distances),
+          "mean_edit": float(np.mean(distances)), "median_edit": float(np.median(distances)),
+          "sum_edit": sum(distances)}
+
+
+def mean_group_metric(metric_fn: Callable[..., dict[str, float]], group_key: str = "group",
+                      value_key: str = "value",
+                      return_subgroup_scores: bool = False) -> Callable[..., dict[str, float]]:
+  """A metric fn averaging `metric_fn` over groups of examples (T5's MultiRC / ReCoRD).
+
+  Targets are dicts holding `group_key` and `value_key`; predictions dicts holding
+  `value_key`. metric_fn runs on each group's values; every key of its result is
+  averaged over groups. With return_subgroup_scores, "<group>-<key>" per group too.
+  Pass whole groups: a group cut short by a subsampled eval set changes the mean.
+  """
+  def metric(targets: Sequence[dict], predictions: Sequence[dict]) -> dict[str, float]:
+    _check(targets, predictions)
+    grouped = collections.defaultdict(lambda: ([], []))
+    for target, prediction in zip(targets, predictions):
+      values = grouped[target[group_key]]
+      values[0].append(target[value_key])
+      values[1].append(prediction[value_key])
+    scores = collections.defaultdict(list)
+    for group, (group_targets, group_predictions) in grouped.items():
+      for name, score in metric_fn(group_targets, group_predictions).items():
+        scores[name].append(score)
+        if return_subgroup_scores:
+          scores[f"{group}-{name}"].append(score)
+    return {name: float(np.mean(values)) for name, values in scores.items()}
+
+  return metric
+
+
+_NOT_METRICS = frozenset({"normalize_squad"})
+
+
+def _metric_names() -> list[str]:
+  return sorted(name for name, value in globals().items()
+                if callable(value) and not name.startswith("_") and name not in _NOT_METRICS
+                and getattr(value, "__module__", None) == __name__)
+
+
+def __getattr__(name: str):
+  """`metrics.<unknown>` (a typo in a ported tasks.py): say which names exist."""
+  if name.startswith("__"):  # Python's own probes (__path__, __wrapped__, ...)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  known = _metric_names()
+  close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
+  hint = f"; did you mean {', '.join(close)}?" if close else ""
+  raise AttributeError(f"t5forge.metrics has no metric {name!r}{hint} "
+                       f"(known metrics: {', '.join(known)})")
+
+
+def __dir__() -> list[str]:
+  """The public names only (not the imported helpers), for dir() and error messages."""
+  return sorted(_metric_names() + list(_NOT_METRICS))
