@@ -2,7 +2,7 @@
 
 T5X's train.py interface: gin files (a run gin such as runs/finetune.gin plus a model
 gin such as models/t5_1_1/small.gin, or an example gin), macro bindings with
---gin.NAME=VALUE, and the T5X flags for several processes (see `cli/multihost.py`).
+--gin.NAME=VALUE, and the T5X flags for several processes (see `t5forge/multihost.py`).
 """
 from __future__ import annotations
 

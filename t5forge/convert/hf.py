@@ -8,7 +8,7 @@ T5.1.1, Flan-T5, mT5 and ByT5 (`model_type` t5 or mt5).
 
 Tied output layers: transformers 4.x wrote `"tie_word_embeddings": false` for T5.1.1 /
 Flan-T5 and stored a separate `lm_head.weight`; 5.x always writes `true` and records the
-logit scaling as `scale_decoder_outputs`, unting only when the weights hold a distinct
+logit scaling as `scale_decoder_outputs`, untying only when the weights hold a distinct
 `lm_head.weight`. We read both: untied iff the config says `false` or the file holds an
 `lm_head.weight` different from `shared.weight`; scaled iff `scale_decoder_outputs`
 (5.x) or, without it, iff `tie_word_embeddings` is not false (4.x) and the model is not

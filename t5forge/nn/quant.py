@@ -12,8 +12,8 @@ quarter of the float32 bytes, which is what bounds decoding at small batch.
 
 `QArray` stands in for the kernel array in the parameter tree (it is a pytree, so jit,
 scan over layers and device_put handle it); `matmul.dense` dispatches on it. Training
-on int8 weights is refused (`ModelConfig.validate`): this path is for decoding and
-scoring a trained model.
+on int8 weights is refused (`train.step.make_train_step`; saving too, in
+`interactive.Model.save`/`save_hf`): this path is for decoding and scoring a trained model.
 """
 from __future__ import annotations
 
