@@ -180,6 +180,10 @@ def _check_sampling_options(temperature, topk, topp, max_decode_steps, length: i
   if topk > 0 and p is not None and np.any(p > 0):
     raise UserError(f"topk={topk} and topp={topp} are both set; as in T5X use one of them: "
                     "set topk=0 or topp=0")
+  _check_max_decode_steps(max_decode_steps, length)
+
+
+def _check_max_decode_steps(max_decode_steps, length: int) -> None:
   s = _static(max_decode_steps) if max_decode_steps is not None else None
   if s is not None and np.any(s < 1):
     raise UserError(f"max_decode_steps={max_decode_steps} must be >= 1 (it counts new tokens "
@@ -187,6 +191,25 @@ def _check_sampling_options(temperature, topk, topp, max_decode_steps, length: i
   if s is not None and np.any(s > length):
     raise UserError(f"max_decode_steps={max_decode_steps} exceeds the decode length {length}; "
                     "lower max_decode_steps or lengthen the targets feature")
+
+
+def _step_limit(prompt: jax.Array, index0: jax.Array, max_decode_steps, batch: int,
+                n: int) -> jax.Array:
+  """[f] int32: the last position a row may write, for max_decode_steps (None: no limit).
+
+  The steps count after the prompt: the non-zero tokens of prompt[:, 1:] (forced
+  contiguously from position 1), or everything up to `index0` when the cache is
+  prefilled (a right-aligned prompt has zeros before its BOS).
+
+  Args:
+    prompt: [f, l + 1] int32 BOS, prompt, zeros. index0: [f] int32 first fed position.
+  """
+  last = prompt.shape[1] - 1
+  if max_decode_steps is None:
+    return jnp.full(prompt.shape[:1], last, jnp.int32)
+  prompt_end = jnp.maximum(jnp.sum(prompt[:, 1:] != 0, axis=1, dtype=jnp.int32), index0)
+  steps = jnp.broadcast_to(jnp.asarray(max_decode_steps, jnp.int32), (batch,))
+  return jnp.minimum(prompt_end + flat_batch_beam_expand(steps, n), last)
 
 
 # ------------------------------------------------------------------------------------
@@ -275,7 +298,8 @@ def temperature_sample(inputs: jax.Array, cache: PyTree, tokens_to_logits: Token
       (a prefilled decoder-only prompt): decoding feeds `inputs[e, initial_index[e]]`
       first and writes from the next position; positions up to it are kept.
     max_decode_steps: optional scalar or [b] (traceable): at most this many positions
-      after the prompt are decoded (the prompt is the non-zero tokens of inputs[:, 1:]).
+      after the prompt are decoded (the prompt is the non-zero tokens of inputs[:, 1:],
+      or the positions up to initial_index if that is later).
     rescale_log_probs: static; score sampled tokens with the distribution they were
       drawn from (after temperature, top-k, top-p) instead of the model's softmax.
     cache_offset: static; the batch axis of the cache leaves.
@@ -300,13 +324,8 @@ def temperature_sample(inputs: jax.Array, cache: PyTree, tokens_to_logits: Token
     index0 = jnp.zeros((f,), jnp.int32)
   else:
     index0 = flat_batch_beam_expand(jnp.asarray(initial_index, jnp.int32).reshape(b), n)
-  if max_decode_steps is None:
-    limit = jnp.full((f,), l + 1, jnp.int32)
-  else:
-    # Rows may write positions < limit: the prompt plus max_decode_steps new tokens.
-    num_prompt = jnp.sum(sequences[:, 1:] != 0, axis=1, dtype=jnp.int32)
-    steps = jnp.broadcast_to(jnp.asarray(max_decode_steps, jnp.int32), (b,))
-    limit = jnp.minimum(num_prompt + flat_batch_beam_expand(steps, n), l) + 1
+  # Rows may write positions < limit: the prompt plus max_decode_steps new tokens.
+  limit = _step_limit(sequences, index0, max_decode_steps, b, n) + 1
 
   # Read static values before any jnp op: under jit those return tracers.
   t_static, p_static = _static(temperature), _static(topp)
@@ -391,14 +410,24 @@ class _BeamState(NamedTuple):
 def beam_search(inputs: jax.Array, cache: PyTree, tokens_to_logits: TokensToLogits,
                 eos_id: int, num_decodes: int = 4, alpha=0.6, max_decode_len: int | None = None,
                 decode_rng: jax.Array | None = None, initial_index: jax.Array | None = None,
+                max_decode_steps=None, min_log_prob=None,
                 cache_offset: int = 0) -> tuple[jax.Array, jax.Array]:
   """T5X's beam search: k live and k finished beams, top-2k candidates per step.
 
-  A finished sequence (ending in a generated EOS at position `length`, counted from 1
-  and including the prompt) scores `log_prob / brevity_penalty(alpha, length)`. An
-  example stops when it is at the end or when no live beam, even at the most favourable
-  length, can beat its worst finished one (so stopping early never changes the result).
-  Forced prompt tokens keep only the best beam alive and add nothing to its log-prob.
+  A finished sequence (ending in EOS at position `length`, counted from 1 and including
+  the prompt) scores `log_prob / brevity_penalty(alpha, length)`. An example stops when
+  it is at the end, after `max_decode_steps` new tokens, when its best live log-prob
+  falls below `min_log_prob`, or when no live beam, even at the most favourable length,
+  can beat its worst finished one (that last stop never changes the result). Forced
+  prompt tokens keep only the best beam alive and add nothing to its log-prob; a forced
+  EOS ends that beam (score 0 / penalty) and so the example (T5X: its `newly_finished`
+  does not tell forced from generated EOS; T5X's other beams of that example are
+  continuations of dead fillers, ours stay fillers).
+
+  Stopping is decided per example; T5X stops the whole batch at once for
+  `max_decode_step` and `min_log_prob` (an example goes on while any other passes), so
+  with batch size 1, or a limit every example reaches together, the results are T5X's,
+  and ours do not depend on the other examples of a batch.
 
   Args:
     inputs: [b, l] int32 decoder inputs: BOS at 0, an optional forced prompt, zeros.
@@ -411,6 +440,15 @@ def beam_search(inputs: jax.Array, cache: PyTree, tokens_to_logits: TokensToLogi
     decode_rng: unused (the contract's argument).
     initial_index: optional [b] int32 position of the last token already in the cache
       (a prefilled decoder-only prompt); decoding writes from the next position.
+    max_decode_steps: optional scalar or [b] (traceable): decode at most this many new
+      tokens after the prompt (its non-zero tokens of inputs[:, 1:], or the positions up
+      to initial_index if that is later); later positions are 0. T5X's beam_search calls
+      it `max_decode_step` and counts loop steps, which is the same with initial_index or
+      without a prompt.
+    min_log_prob: optional scalar or [b] (traceable): after the first step, stop an
+      example when its best live beam's log-prob (the raw sum, no brevity penalty)
+      is below this (T5X). What it returns is as at any stop: its finished beams if
+      it has any, else its live ones.
     cache_offset: static; the batch axis of the cache leaves.
 
   Returns:
@@ -429,6 +467,7 @@ def beam_search(inputs: jax.Array, cache: PyTree, tokens_to_logits: TokensToLogi
       raise UserError(f"max_decode_len={max_decode_len!r} must be an integer >= 1; leave it "
                       "None to use the length of inputs")
     l = int(max_decode_len)
+  _check_max_decode_steps(max_decode_steps, l)
   _check_cache(cache, b, cache_offset)
   f = b * k
 
@@ -442,16 +481,25 @@ def beam_search(inputs: jax.Array, cache: PyTree, tokens_to_logits: TokensToLogi
     index0 = jnp.asarray(initial_index, jnp.int32).reshape(b)
   alpha = jnp.asarray(alpha, jnp.float32)
   positions = jnp.arange(l + 1, dtype=jnp.int32)
+  # [b] the last position an example may write.
+  limit = _step_limit(prompt, index0, max_decode_steps, b, 1)
+  min_lp = jnp.float32(-jnp.inf) if min_log_prob is None else _per_row(
+      min_log_prob, "min_log_prob", b, 1)
 
   def done(s: _BeamState) -> jax.Array:
-    """[b] bool: at the end, or the finished set can no longer change."""
+    """[b] bool: at its limit, below min_log_prob, or the finished set is final."""
+    best_lp = jnp.max(s.live_log_probs, axis=1)
     # Log-probs only fall as tokens are added, so a live beam's best final score is its
     # log-prob over the largest penalty it can still reach (any sign of alpha).
-    max_penalty = jnp.maximum(brevity_penalty(alpha, l), brevity_penalty(alpha, s.cur_index + 1))
-    best_live = jnp.max(s.live_log_probs, axis=1) / max_penalty
+    max_penalty = jnp.maximum(brevity_penalty(alpha, limit),
+                              brevity_penalty(alpha, s.cur_index + 1))
     worst_finished = jnp.min(s.finished_scores, axis=1)
-    hopeless = jnp.all(s.finished_flags, axis=1) & (worst_finished > best_live)
-    return (s.cur_index >= l) | hopeless
+    hopeless = jnp.all(s.finished_flags, axis=1) & (worst_finished > best_lp / max_penalty)
+    started = s.cur_index > index0
+    # The prompt token just fed is EOS: its beam finished and only fillers live.
+    ended_in_prompt = started & (jnp.take_along_axis(prompt, s.cur_index[:, None], axis=1)[:, 0]
+                                 == eos_id)
+    return (s.cur_index >= limit) | hopeless | (started & (best_lp < min_lp)) | ended_in_prompt
 
   def body(s: _BeamState) -> _BeamState:
     active = ~done(s)  # [b]
@@ -483,8 +531,8 @@ def beam_search(inputs: jax.Array, cache: PyTree, tokens_to_logits: TokensToLogi
     # [b, 2k, l + 1]
     cand_seqs = _take_beams(s.live_seqs, cand_beam)
     cand_seqs = jnp.where(positions == nxt[:, None, None], cand_tok[:, :, None], cand_seqs)
-    # A forced EOS (in a prompt) does not end a beam.
-    cand_ended = (cand_tok == eos_id) & ~forced
+    # A forced EOS ends its beam too, as in T5X.
+    cand_ended = cand_tok == eos_id
 
     # Live: the best k candidates that did not end. Increasing order, as T5X.
     live_lp = cand_lp + cand_ended * NEG_INF
@@ -496,7 +544,9 @@ def beam_search(inputs: jax.Array, cache: PyTree, tokens_to_logits: TokensToLogi
     cand_scores = cand_lp / brevity_penalty(alpha, nxt)[:, None] + (~cand_ended) * NEG_INF
     all_scores = jnp.concatenate([s.finished_scores, cand_scores], axis=1)  # [b, 3k]
     fin_pick = jnp.flip(lax.top_k(all_scores, k)[1], axis=1)
-    all_seqs = jnp.concatenate([s.finished_seqs, cand_seqs], axis=1)
+    # Live sequences carry the rest of the prompt; a finished one is 0 after its EOS.
+    cand_done = jnp.where(positions <= nxt[:, None, None], cand_seqs, 0)
+    all_seqs = jnp.concatenate([s.finished_seqs, cand_done], axis=1)
     all_flags = jnp.concatenate([s.finished_flags, cand_ended], axis=1)
 
     # Examples that are done keep their beams while the others continue.

@@ -7,8 +7,8 @@
     log_likelihoods = p.score(params, batch)
 
 Options that change shapes or code (method, num_decodes, topk, output length) select a
-compiled function; the others (temperature, topp, alpha, max_decode_steps, seed) are
-passed as arrays, so changing them does not recompile.
+compiled function; the others (temperature, topp, alpha, max_decode_steps, min_log_prob,
+seed) are passed as arrays, so changing them does not recompile.
 """
 from __future__ import annotations
 
@@ -78,7 +78,12 @@ class DecodeOptions:
     num_decodes: samples or beams per example.
     temperature, topk, topp: sampling options (topk and topp exclude each other).
     alpha: beam search brevity-penalty exponent, T5X's ((5 + length) / 6) ** alpha.
-    max_decode_steps: stop after this many new tokens (default: the output length).
+    max_decode_steps: decode at most this many new tokens (after the prompt of a
+      decoder-only model); the rest of the output is 0. Default: the output length.
+      Every method honours it.
+    min_log_prob: beam search only: stop an example once its best live beam's log-prob
+      (no brevity penalty) is below this; it returns its finished beams if any, else
+      its live ones (T5X). Default: no such stop.
     seed: sampling seed.
     return_all_decodes: return every sample / beam ([b, n, l], best last).
   """
@@ -90,6 +95,7 @@ class DecodeOptions:
   topp: float = 0.0
   alpha: float = 0.6
   max_decode_steps: int | None = None
+  min_log_prob: float | None = None
   seed: int = 0
   return_all_decodes: bool = False
 
@@ -109,7 +115,11 @@ class DecodeOptions:
       raise UserError("greedy decoding gives one decode; use method 'sample' or 'beam' for "
                       f"num_decodes={self.num_decodes}")
     if self.max_decode_steps is not None and self.max_decode_steps < 1:
-      raise UserError(f"max_decode_steps must be >= 1, got {self.max_decode_steps}")
+      raise UserError(f"max_decode_steps must be >= 1 (new tokens to decode), got "
+                      f"{self.max_decode_steps}; leave it unset to decode the whole length")
+    if self.min_log_prob is not None and self.method != "beam":
+      raise UserError(f"min_log_prob={self.min_log_prob} applies to beam search only, not "
+                      f"method {self.method!r}; use method 'beam' or drop min_log_prob")
 
   @classmethod
   def from_kwargs(cls, **kw) -> "DecodeOptions":
@@ -143,7 +153,8 @@ class Predictor:
 
       def fn(params, batch, rng, traced):
         if opts.method == "beam":
-          params_ = {"alpha": traced["alpha"]}
+          params_ = {"alpha": traced["alpha"], "max_decode_steps": traced["max_decode_steps"],
+                     "min_log_prob": traced["min_log_prob"]}
         else:
           params_ = {"temperature": traced["temperature"], "topk": opts.topk,
                      "topp": traced["topp"], "max_decode_steps": traced["max_decode_steps"]}
@@ -162,7 +173,10 @@ class Predictor:
     temperature = 0.0 if opts.method == "greedy" else opts.temperature
     traced = {"temperature": jnp.float32(temperature), "topp": jnp.float32(opts.topp),
               "alpha": jnp.float32(opts.alpha),
-              "max_decode_steps": jnp.int32(opts.max_decode_steps or length)}
+              "max_decode_steps": jnp.int32(min(opts.max_decode_steps or length, length)),
+              # -inf: no live beam falls below it, so the stop never fires.
+              "min_log_prob": jnp.float32(-np.inf if opts.min_log_prob is None
+                                          else opts.min_log_prob)}
     tokens, aux = self._predict_fn(opts, length)(params, batch, jax.random.key(opts.seed), traced)
     return multihost.to_host(tokens), multihost.to_host(aux["scores"])
 

@@ -275,6 +275,9 @@ def ref_beam(toy, e, row, k, alpha, l):
     if prompt[i + 1]:
       lp, seq = max(live)
       live = [(lp, seq + [prompt[i + 1]])]
+      if prompt[i + 1] == EOS:  # a forced EOS finishes the beam, and nothing is live
+        finished = [(lp / bp(i + 1), live[0][1])]
+        break
       continue
     cands = []
     for lp, seq in live:
@@ -307,7 +310,7 @@ def test_beam_search_matches_reference_beam_search(k, alpha, eos_bias, seed):
   b, l = 4, 6
   toy = Toy(100 + seed, b, l, eos_bias=eos_bias)
   inputs = _prompts(rng, b, l, max_prompt=2)
-  inputs[0, 1:3] = [4, EOS]  # a forced EOS does not end the beam
+  inputs[0, 1:3] = [4, EOS]  # a forced EOS ends the beam (T5X)
   decodes, scores = _beam(toy, num_decodes=k)(inputs, toy.cache(), alpha=alpha)
   decodes, scores = np.asarray(decodes), np.asarray(scores)
   assert decodes.shape == (b, k, l) and scores.shape == (b, k)
@@ -317,9 +320,14 @@ def test_beam_search_matches_reference_beam_search(k, alpha, eos_bias, seed):
     p = (inputs[e, 1:] != 0).sum()
     for d, score in zip(decodes[e], scores[e]):
       if score > -1e6:  # a real sequence: prompt, words, a generated EOS and zeros
-        np.testing.assert_array_equal(d[:p], inputs[e, 1:1 + p])
-        gen = list(d[p:])
-        end = p + gen.index(EOS) if EOS in gen else l  # (no EOS: live beams returned)
+        prompt = list(inputs[e, 1:1 + p])
+        if EOS in prompt:  # the beam ended at the forced EOS
+          end = prompt.index(EOS)
+          np.testing.assert_array_equal(d[:end + 1], prompt[:end + 1])
+        else:
+          np.testing.assert_array_equal(d[:p], prompt)
+          gen = list(d[p:])
+          end = p + gen.index(EOS) if EOS in gen else l  # (no EOS: live beams returned)
         assert PAD not in d[:end] and not d[end + 1:].any()
 
 

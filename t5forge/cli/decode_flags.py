@@ -16,7 +16,10 @@ def add(parser: argparse.ArgumentParser) -> None:
   g.add_argument("--topk", type=int, default=None)
   g.add_argument("--topp", type=float, default=None)
   g.add_argument("--alpha", type=float, default=None, help="beam brevity penalty exponent")
-  g.add_argument("--max_decode_steps", type=int, default=None)
+  g.add_argument("--max_decode_steps", type=int, default=None,
+                 help="decode at most this many new tokens (any method)")
+  g.add_argument("--min_log_prob", type=float, default=None,
+                 help="beam search: stop once the best live beam's log-prob is below this")
   g.add_argument("--seed", type=int, default=None)
   r = parser.add_argument_group("runtime (how the checkpoint is run, not what it holds)")
   r.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
@@ -33,5 +36,6 @@ def runtime_overrides(args: argparse.Namespace) -> dict:
 
 def options(args: argparse.Namespace) -> DecodeOptions:
   kw = {k: getattr(args, k) for k in ("method", "num_decodes", "beam_size", "temperature",
-                                        "topk", "topp", "alpha", "max_decode_steps", "seed")}
+                                        "topk", "topp", "alpha", "max_decode_steps", "min_log_prob",
+                                        "seed")}
   return DecodeOptions.from_kwargs(**{k: v for k, v in kw.items() if v is not None})
