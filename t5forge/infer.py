@@ -33,7 +33,6 @@ import warnings
 from typing import Any
 
 import jax
-import numpy as np
 
 from t5forge import multihost, provenance
 from t5forge.errors import UserError

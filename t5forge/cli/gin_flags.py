@@ -63,10 +63,6 @@ def split_flags(argv: Sequence[str]) -> tuple[list[str], list[str], list[str], l
   return files, bindings, paths, rest
 
 
-def _describe_binding(binding: str, sources: dict[str, str]) -> str:
-  return sources.get(binding, binding)
-
-
 def parse(files: Sequence[str], bindings: Sequence[str], search_paths: Sequence[str] = ()) -> None:
   """Parses gin files and bindings, translating gin's errors into UserErrors."""
   import gin  # pylint: disable=import-outside-toplevel

@@ -49,17 +49,6 @@ Row = dict[str, np.ndarray]
 # ------------------------------------------------------------------------------- trim / pad / pack
 
 
-def trim_and_pad(example: Mapping[str, Any], lengths: Mapping[str, int]) -> Row:
-  """Trims each feature in `lengths` to its length and pads it with 0s to it exactly."""
-  row = {}
-  for k, length in lengths.items():
-    v = np.asarray(example[k], np.int32)[:length]
-    out = np.zeros(length, np.int32)
-    out[:len(v)] = v
-    row[k] = out
-  return row
-
-
 def pack_block(examples: Sequence[Mapping[str, Any]], lengths: Mapping[str, int],
                packer: str = "greedy") -> dict[str, np.ndarray]:
   """Packs one window of examples; the rows as 2-D arrays (see `trim_and_pack`).

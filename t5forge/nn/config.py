@@ -7,7 +7,6 @@ this config; layers take the few hyper-parameters they need.
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 import jax.numpy as jnp
@@ -127,9 +126,6 @@ class ModelConfig:
     d = dataclasses.asdict(self)
     d["mlp_activations"] = list(self.mlp_activations)
     return d
-
-  def to_json(self) -> str:
-    return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
   @classmethod
   def from_dict(cls, d: dict, *, source: str = "config") -> "ModelConfig":

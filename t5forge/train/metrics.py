@@ -98,10 +98,6 @@ class MetricWriter:
     self._jsonl.write(json.dumps({"step": int(step), "split": subdir, **clean}) + "\n")
     self._jsonl.flush()
 
-  def write_text(self, step: int, tag: str, text: str, *, subdir: str = "train") -> None:
-    if self.enabled:
-      self._writer(subdir).add_text(tag, text, step)
-
   def close(self) -> None:
     for w in self._writers.values():
       w.close()
