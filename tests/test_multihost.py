@@ -59,13 +59,15 @@ def test_two_processes_train_like_one_process_with_four_devices(tmp_path):
     for p in procs:
       if p.poll() is None:
         p.kill()
-  sums = [re.search(r"parameter checksum (\S+)", o).group(1) for o in outs]
-  assert sums[0] == sums[1]  # both processes hold the same model
+  assert "training stopped at step 4" in outs[0]  # process 0 reports for both
   fp = [read_jsonl(tmp_path / "two" / f"batch_fingerprints.{i}.jsonl") for i in (0, 1)]
-  assert fp[0] == fp[1] and len(fp[0]) == 4  # and read the same global batches
+  assert fp[0] == fp[1] and len(fp[0]) == 4  # both read the same global batches
   one = subprocess.run(_cmd(gin, tmp_path / "one"), cwd=ROOT, env=_env(4), capture_output=True,
                        text=True, timeout=600)
   assert one.returncode == 0, one.stderr[-3000:]
+  # One model trained together: each process holds only its rows of every batch, so the
+  # checkpoint both processes wrote equals the one-process run on the whole batch only
+  # if both processes' gradients went into every update.
   # Sharded sums add in a different order in the two layouts. Adafactor divides each
   # update by the gradient's RMS, so for a token whose gradient is ~0 (an output-layer
   # column seen in no batch) rounding noise becomes an update of the learning rate's size:

@@ -29,14 +29,8 @@ def main(argv: list[str]) -> int:
   result = gin_flags.call(loop.train, operative_config=gin.config_str(),
                           show_progress=sys.stderr.isatty() or bool(os.environ.get("T5FORGE_PROGRESS")))
   import jax  # pylint: disable=import-outside-toplevel
-  if jax.process_count() > 1:
-    # Every process reports the same global checksum: they trained one model together.
-    if result.state is not None:
-      total = float(sum(jax.numpy.sum(jax.numpy.abs(x)) for x in jax.tree.leaves(result.state.params)))
-      print(f"process {jax.process_index()} of {jax.process_count()}: step {result.step}, "
-            f"parameter checksum {total:.10g}", flush=True)
-    if jax.process_index() != 0:
-      return 0
+  if jax.process_index() != 0:  # process 0 reports for the whole job
+    return 0
   model_dir = gin.query_parameter("MODEL_DIR/macro.value") if _has_macro("MODEL_DIR") else None
   print(f"training stopped at step {result.step} ({result.stopped})")
   if result.train_metrics:  # per token, as the progress lines (T5X's `loss` is a sum)
