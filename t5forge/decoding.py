@@ -28,8 +28,9 @@ model sees, l decode length, v vocabulary.
 Speed: each function is one `lax.while_loop` (no host round trip per token), jittable
 as a whole. Shapes and `num_decodes`, `topk`, `max_decode_len`, `rescale_log_probs` and
 `cache_offset` are static; `temperature`, `topp`, `alpha`, `max_decode_steps`,
-`initial_index`, `eos_id` and `decode_rng` may be traced, so callers can change them
-without recompiling. The cache is a loop carry that XLA updates in place; jit callers
+`min_log_prob`, `initial_index`, `eos_id` and `decode_rng` may be traced, so callers can
+change them without recompiling (`max_decode_steps` bounds each row's positions inside
+the one loop; it never changes a shape). The cache is a loop carry that XLA updates in place; jit callers
 can donate it.
 """
 from __future__ import annotations

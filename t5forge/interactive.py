@@ -133,7 +133,7 @@ class Model:
       max_decode_length: new tokens to decode.
       **decoding: DecodeOptions fields: method ('greedy', 'sample', 'beam'),
         num_decodes (or beam_size), temperature, topk, topp, alpha, max_decode_steps,
-        seed, return_all_decodes.
+        min_log_prob (beam only), seed, return_all_decodes.
 
     Returns:
       (tokens [b, max_decode_length] int32, 0 after EOS, scores [b]) as numpy; with
