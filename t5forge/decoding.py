@@ -6,8 +6,9 @@ Every decode function has one contract:
     fn(inputs, cache, tokens_to_logits, eos_id, num_decodes, decode_rng, **kw)
         -> (decodes [b, n, l] int32, scores [b, n] float32)
 
-Shape letters: b batch, n num_decodes (samples or beams), f = b * n the flat batch the
-model sees, l decode length, v vocabulary.
+Shape letters (docs/shapes.md): b batch, n num_decodes (samples or beams), l decode
+length, v vocabulary; local to this module, f = b * n the flat batch the model sees, and
+in `beam_search` k = n the beam count (the code's name for it).
 
 - `inputs` [b, l] int32 are decoder input tokens: position 0 is BOS (always fed as 0);
   non-zero tokens at positions 1..p are a prompt that is forced, never overwritten and

@@ -96,7 +96,7 @@ class Model:
     where decoder_causal_attention [b, t] marks a bidirectional prefix (prefix-LM).
 
     Returns:
-      float32 numpy array [b, t, vocab].
+      float32 numpy array [b, t, v].
     """
     v = self.config.vocab_size
     if self.config.is_encoder_decoder:
@@ -116,7 +116,7 @@ class Model:
     return np.asarray(self._logits_fn(self.params, dec, causal))
 
   def encode(self, encoder_input_tokens) -> np.ndarray:
-    """Encoder output [b, i, emb_dim] (float32 numpy)."""
+    """Encoder output [b, i, e] (float32 numpy)."""
     if not self.config.is_encoder_decoder:
       raise UserError("encode() needs an encoder-decoder model")
     enc = _as_tokens(encoder_input_tokens, "encoder_input_tokens", self.config.vocab_size)

@@ -1,7 +1,7 @@
 """T5X's losses: cross entropy with z-loss (stable custom gradient), label smoothing,
 and the loss normalizing factor.
 
-Shape letters: b batch, t target length, v vocab.
+Shape letters (docs/shapes.md): b batch, t target length, v vocab.
 """
 from __future__ import annotations
 

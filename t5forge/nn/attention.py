@@ -1,6 +1,7 @@
 """Multi-head attention with T5's relative position bias, and the masks T5 uses.
 
-Shape letters: b batch, q query length, k key length, h heads, d head_dim, e emb_dim.
+Shape letters (docs/shapes.md): b batch, q query length, k key length, h heads,
+d head_dim, e emb_dim.
 Masks are boolean `[b, 1, q, k]` (True = may attend); `mask_to_bias` turns them into
 additive biases that are summed with the relative position bias `[1, h, q, k]`.
 """

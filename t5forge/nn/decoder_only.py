@@ -4,7 +4,7 @@ attention over the inputs part (SeqIO's `decoder_causal_attention`).
 Parameter names follow T5X's decoder-only example: everything under `decoder/`
 (`decoder/token_embedder`, `decoder/relpos_bias`, `decoder/layers_0/self_attention`, ...).
 
-Shape letters: b batch, l length, e emb_dim, v vocab.
+Shape letters (docs/shapes.md): b batch, l length, e emb_dim, v vocab.
 """
 from __future__ import annotations
 

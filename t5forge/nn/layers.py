@@ -4,7 +4,7 @@ Every parameter is float32 and created with logical axis names (see `t5forge.sha
 through `nn.with_logical_partitioning`, so a rules table alone decides its sharding.
 Computation happens in the activation `dtype` (float32 or bfloat16).
 
-Shape letters used in comments: b batch, l length, d emb_dim, f mlp_dim, v vocab.
+Shape letters (docs/shapes.md): b batch, l length, e emb_dim, f mlp_dim, v vocab.
 """
 from __future__ import annotations
 
@@ -79,12 +79,12 @@ class Embed(nn.Module):
                                      (self.num_embeddings, self.features), (ax.VOCAB, ax.EMBED))
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
-    # tokens: [b, l] int -> [b, l, d] float32: embeddings feed the float32 residual
+    # tokens: [b, l] int -> [b, l, e] float32: embeddings feed the float32 residual
     # stream; `dtype` is the compute dtype of `attend`.
     return jnp.take(self.embedding, tokens.astype(jnp.int32), axis=0)
 
   def attend(self, x: jax.Array) -> jax.Array:
-    # x: [b, l, d] -> logits [b, l, v], in float32 for a stable softmax (bfloat16
+    # x: [b, l, e] -> logits [b, l, v], in float32 for a stable softmax (bfloat16
     # operands accumulate in float32).
     return jnp.einsum("bld,vd->blv", x.astype(self.dtype), self.embedding.astype(self.dtype),
                       preferred_element_type=jnp.float32)
@@ -136,7 +136,7 @@ class MlpBlock(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, deterministic: bool) -> jax.Array:
-    # x: [b, l, d]
+    # x: [b, l, e]
     branches = []
     names = (["wi"] if len(self.activations) == 1
              else [f"wi_{i}" for i in range(len(self.activations))])
@@ -153,4 +153,4 @@ class MlpBlock(nn.Module):
     # T5X broadcasts the MLP dropout mask over the length axis.
     h = nn.Dropout(rate=self.intermediate_dropout_rate, broadcast_dims=(-2,))(
         h, deterministic=deterministic)
-    return Dense(x.shape[-1], (ax.MLP, ax.EMBED), dtype=self.dtype, name="wo")(h)  # [b, l, d]
+    return Dense(x.shape[-1], (ax.MLP, ax.EMBED), dtype=self.dtype, name="wo")(h)  # [b, l, e]

@@ -21,7 +21,8 @@ bfloat16 operands are multiplied with float32 accumulation and a float32 result
 on this class of CPU about 1,200-1,600 GFLOP/s against ~250 for a bf16 dot with a bf16
 result and ~300 for float32. The result is then rounded to the requested dtype.
 
-Shape letters: n tokens (all leading axes flattened), i input features, o output features.
+Shape letters (local to this module, see docs/shapes.md): n tokens (all leading axes
+flattened), i input features, o output features.
 """
 from __future__ import annotations
 

@@ -2,8 +2,9 @@
 
 A loop gives parameters `layers_0`, `layers_1`, ... exactly as T5X and HF checkpoints
 name them. A scan compiles one layer and stacks its parameters on a leading axis
-named 'layers' (parameter path `layers/...`); `stack_layers` / `unstack_layers` below (via
-`t5forge.convert.relayout`) convert between the two layouts. Layers return `(x, None)` when scanned and `x` otherwise.
+named 'layers' (parameter path `layers/...`); `stack_layers` / `unstack_layers` below
+(via `t5forge.convert.relayout`) convert between the two layouts. Layers return
+`(x, None)` when scanned and `x` otherwise.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Parameter names follow T5X (`token_embedder`, `encoder/layers_0/attention/query`, ...),
 so T5X checkpoints map one to one and HF checkpoints by a fixed table.
 
-Shape letters: b batch, i encoder length, t decoder length, e emb_dim, v vocab.
+Shape letters (docs/shapes.md): b batch, i encoder length, t decoder length, e emb_dim, v vocab.
 """
 from __future__ import annotations
 
