@@ -73,6 +73,9 @@ def _atomic_write_lines(path: str, rows: list[dict]) -> None:
 class InferenceEvaluator:
   """Evaluates parameters on every task (with metrics) of a mixture's eval split.
 
+  Tasks without the split or without metric_fns are left out; `eval_tasks` names the
+  others (empty: nothing to evaluate; the trainer then skips inference evaluation).
+
   Args:
     model: an EncoderDecoderModel or DecoderOnlyModel (its vocabulary, or the task's,
       decodes predictions).
@@ -104,10 +107,12 @@ class InferenceEvaluator:
     self.num_examples = num_examples
     item = data.get_mixture_or_task(dataset_cfg.mixture_or_task_name)
     tasks = item.tasks if hasattr(item, "tasks") else [item]
+    # As SeqIO's Evaluator: tasks without the split or without metric_fns are left out;
+    # none left is an empty `eval_tasks` (the trainer skips inference evaluation, as T5X's
+    # train.py; `t5forge eval` refuses).
     tasks = [t for t in tasks if dataset_cfg.split in t.splits and t.metric_fns]
-    if not tasks:
-      raise UserError(f"{dataset_cfg.mixture_or_task_name!r}: no task has a "
-                      f"{dataset_cfg.split!r} split with metric_fns to evaluate")
+    self.no_tasks_reason = (f"{dataset_cfg.mixture_or_task_name!r}: no task has a "
+                            f"{dataset_cfg.split!r} split with metric_fns to evaluate")
     if model.vocabulary is not None:  # it decodes the predictions of every task
       from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
       for task in tasks:
@@ -127,6 +132,11 @@ class InferenceEvaluator:
     self.predictor = Predictor(model)
     self._writers = {}
     self.metric_writer = metric_writer
+
+  @property
+  def eval_tasks(self) -> list[str]:
+    """The tasks evaluated (those with the split and metric_fns), as SeqIO's Evaluator."""
+    return list(self.datasets)
 
   def _vocab(self, task):
     return self.model.vocabulary or task.output_features["targets"].vocabulary
@@ -374,6 +384,8 @@ def evaluate(*, dataset_cfg, restore_checkpoint_cfg, model=None, output_dir: str
         evaluator = InferenceEvaluator(model=model, dataset_cfg=dataset_cfg,
                                        partitioner=partitioner, output_dir=output_dir,
                                        decode_options=decode_options, num_examples=num_examples)
+        if not evaluator.eval_tasks:
+          raise UserError(evaluator.no_tasks_reason)
         done = evaluator.records()
       identity = provenance.checkpoint_identity(ckpt.path, ckpt.step, ckpt.format)
       why = "" if force else evaluator.why_evaluate(done, ckpt.step, identity)

@@ -347,15 +347,16 @@ def get_eval_dataset(task_name: str, task_feature_lengths: Mapping[str, int], ba
 
 def get_eval_datasets(mixture_or_task_name: str, task_feature_lengths: Mapping[str, int],
                       batch_size: int, **kwargs) -> dict[str, EvalDataset]:
-  """One `EvalDataset` per task of a mixture (or the task) that has the split and metrics."""
+  """One `EvalDataset` per task of a mixture (or the task) that has the split, metrics or
+  not: the teacher-forced train-eval, as T5X's `get_training_eval_datasets` (a task without
+  the split is skipped; its inference evaluation needs metric_fns, see evaluate.py)."""
   item = tasks_lib.get_mixture_or_task(mixture_or_task_name)
   split = kwargs.get("split", "validation")
   tasks: Sequence[tasks_lib.Task] = item.tasks if isinstance(item, tasks_lib.Mixture) else [item]
   out = {}
   for t in tasks:
-    if split in t.splits and t.metric_fns:
+    if split in t.splits:
       out[t.name] = get_eval_dataset(t.name, task_feature_lengths, batch_size, **kwargs)
   if not out:
-    raise UserError(f"{mixture_or_task_name!r}: no task has a {split!r} split and metric_fns to "
-                    "evaluate")
+    raise UserError(f"{mixture_or_task_name!r}: no task has a {split!r} split to evaluate")
   return out

@@ -35,7 +35,8 @@ class EarlyStopper:
 
 class TrainEvaluator:
   """Teacher-forced loss and accuracy on each task's validation split, as T5X's
-  train-eval: `eval_steps` batches per task, scalars under training_eval/<task>/."""
+  train-eval: `eval_steps` batches per task, scalars under training_eval/<task>/. Every
+  task with the split is evaluated, with metric_fns or without (pre-training tasks)."""
 
   def __init__(self, cfg: DatasetConfig, *, model, eval_step: Callable, shard_batch: Callable,
                eval_steps: int | None, shard_index: int, num_shards: int, model_kind: str):

@@ -120,7 +120,8 @@ def train(*, model: BaseModel, model_dir: str, train_dataset_cfg: DatasetConfig,
     infer_eval_dataset_cfg / inference_evaluator_cls: decoding evaluation every
       eval_period steps: `inference_evaluator_cls(model=, dataset_cfg=, partitioner=,
       model_dir=, metric_writer=)` returns a callable `fn(params, step) -> scalars`
-      (evaluate.InferenceEvaluator: decoding + the tasks' metrics).
+      (evaluate.InferenceEvaluator: decoding + the tasks' metrics; skipped with a note
+      when its `eval_tasks` is empty: no task has metric_fns).
     eval_steps: batches per train-eval task (None or <= 0: all).
     stats_period: report training metrics every this many steps.
     random_seed: seeds parameter init, dropout (fold_in(seed, step)) and the data order.
@@ -355,6 +356,13 @@ class _Run:
       self.inference_evaluator = inference_evaluator_cls(
           model=self.model, dataset_cfg=infer_eval_cfg, partitioner=self.partitioner,
           model_dir=self.model_dir, metric_writer=self.writer)
+      # T5X's train.py: no task with metrics (e.g. pre-training) skips inference evaluation;
+      # train-eval (teacher-forced loss) still runs.
+      if getattr(self.inference_evaluator, "eval_tasks", None) == []:
+        self.log(f"note: {self.inference_evaluator.no_tasks_reason}; inference evaluation "
+                 "skipped (train-eval still reports the teacher-forced loss)")
+        self.inference_evaluator.close()
+        self.inference_evaluator = None
     if record_batch_fingerprints:
       self.fingerprints = open(os.path.join(
           self.model_dir, f"batch_fingerprints.{jax.process_index()}.jsonl"), "a",
