@@ -60,6 +60,7 @@ def tiny_hf(tmp_path_factory):
   with open(os.path.join(d, "config.json")) as f:
     hf_config = json.load(f)
   hf_config["tie_word_embeddings"] = False
+  hf_config.pop("scale_decoder_outputs", None)  # a transformers 5 field flan-t5's lacks
   with open(os.path.join(d, "config.json"), "w") as f:
     json.dump(hf_config, f, indent=2)
   shutil.copy(bundled_tasks.VOCAB_PATH, os.path.join(d, "spiece.model"))
@@ -91,6 +92,10 @@ def test_example_trains(gin_file, tmp_path, request):
   assert train_eval, [row["split"] for row in rows]
   for row in train_eval:  # teacher-forced loss of a model that has trained 2 steps
     assert 0.0 < row["loss_per_nonpadding_target_token"] < 20.0, json.dumps(row)[:500]
+  if any("INITIAL_CHECKPOINT_PATH" in b for b in _bindings(gin_file, request)):
+    # runs/finetune.gin's inference evaluator decoded and scored (BLEU) at step 2.
+    assert any(row["step"] == 2 and row["split"].startswith("inference_eval/")
+               for row in rows), [row["split"] for row in rows]
   if os.path.basename(gin_file) == "span_corruption_pretrain.gin":
     # A pre-training task has no metric_fns: train-eval still reports its loss.
     assert [row["split"] for row in train_eval] == ["training_eval/english_span_corruption"]
