@@ -69,6 +69,9 @@ def parse(files: Sequence[str], bindings: Sequence[str], search_paths: Sequence[
   from gin import config as gin_config  # pylint: disable=import-outside-toplevel
   gin.clear_config()
   _guard_package_reader(gin_config)
+  # gin keeps search paths across clear_config(): start from its default ('' = as given)
+  # so that an earlier parse's --gin_search_paths cannot shadow this one's files.
+  gin_config._LOCATION_PREFIXES[:] = [""]  # pylint: disable=protected-access
   for path in [os.getcwd(), CONFIGS_DIR, PACKAGE_PARENT, *search_paths]:
     if path not in gin_config._LOCATION_PREFIXES:  # pylint: disable=protected-access
       gin.add_config_file_search_path(path)
