@@ -49,9 +49,19 @@ class CheckpointDamaged(UserError):
     self.path = path
 
 
+# (path, hash, device, inode, size, mtime_ns) -> digest. Choosing the newest intact
+# checkpoint of a MODEL_DIR verifies it, and reading it verifies it again; a file not
+# rewritten since is not hashed twice in one process (a rewrite changes its mtime).
+_DIGESTS: dict[tuple, str] = {}
+
+
 def _digest(path: str, hash_name: str = HASH) -> str:
-  with open(path, "rb") as f:
-    return hashlib.file_digest(f, hash_name).hexdigest()
+  st = os.stat(path)
+  key = (os.path.abspath(path), hash_name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+  if key not in _DIGESTS:
+    with open(path, "rb") as f:
+      _DIGESTS[key] = hashlib.file_digest(f, hash_name).hexdigest()
+  return _DIGESTS[key]
 
 
 def _files(directory: str) -> list[str]:
