@@ -4,8 +4,9 @@ Names are `<family>.<size>`: `t5_1_0.small`, `t5_1_1.xl`, `flan_t5.base` (= t5_1
 `mt5.large`, `byt5.xxl`, `decoder_only.base`, `t5gemma.2b-2b` (encoder-decoder sizes
 as Google names them: s-s, b-b, l-l, ml-ml, xl-xl, 2b-2b, 9b-2b, 9b-9b), and
 `<family>.tiny` for tests (`t5gemma.tiny_gqa`: grouped-query attention and an encoder
-wider than the decoder). Hugging Face model names (`t5-small`, `google/flan-t5-base`,
-`google/t5gemma-2b-2b-ul2-it`, ...) are accepted as aliases.
+wider than the decoder; `t5gemma2.tiny`: T5Gemma 2's text network). Hugging Face model
+names (`t5-small`, `google/flan-t5-base`, `google/t5gemma-2b-2b-ul2-it`, ...) are
+accepted as aliases.
 
     cfg = t5forge.presets.get("flan_t5.base")              # ModelConfig
     cfg = t5forge.presets.get("t5_1_1.tiny", vocab_size=512)  # with overrides
@@ -15,7 +16,7 @@ from __future__ import annotations
 import difflib
 
 from t5forge.errors import UserError
-from t5forge.nn.config import DECODER_ONLY, T5GEMMA, ModelConfig
+from t5forge.nn.config import DECODER_ONLY, T5GEMMA, T5GEMMA2, ModelConfig
 
 T5_VOCAB = 32128  # 32000 SentencePiece pieces + 100 sentinels, padded to a multiple of 128
 MT5_VOCAB = 250112
@@ -111,6 +112,19 @@ def _make_t5gemma(encoder: str, decoder: str, *, tiny: bool) -> ModelConfig:
                      decoder_start_token_id=2, **enc)
 
 
+def _make_t5gemma2_tiny() -> ModelConfig:
+  """A tiny T5Gemma 2 (text) for tests: Gemma 3's settings (5 local : 1 global layers,
+  RoPE bases 10,000 / 1,000,000, no soft-caps, all embeddings tied, BOS 2) at width 64,
+  a window of 8 and a T5-sized vocabulary. The released sizes (270m-270m, 1b-1b,
+  4b-4b) are read from their HF directories (t5forge.convert.hf_t5gemma2)."""
+  return ModelConfig(vocab_size=T5_VOCAB, emb_dim=64, num_heads=4, num_kv_heads=2,
+                     head_dim=16, mlp_dim=128, num_encoder_layers=6, num_decoder_layers=6,
+                     mlp_activations=GATED_GELU, logits_via_embedding=True, scale_logits=False,
+                     architecture=T5GEMMA2, query_pre_attn_scalar=16, rope_theta=1e6,
+                     rope_local_theta=1e4, sliding_window=8, sliding_window_pattern=6,
+                     max_position_embeddings=8192, decoder_start_token_id=2)
+
+
 def _make(shape, *, vocab_size, mlp_activations, logits_via_embedding, architecture="encoder_decoder"):
   emb, heads, enc, dec, head_dim, mlp = shape
   return ModelConfig(vocab_size=vocab_size, emb_dim=emb, num_heads=heads, head_dim=head_dim,
@@ -137,6 +151,7 @@ def _build_table() -> dict[str, ModelConfig]:
                                           logits_via_embedding=False, architecture=DECODER_ONLY)
   for size, (encoder, decoder) in _T5GEMMA.items():
     table[f"t5gemma.{size}"] = _make_t5gemma(encoder, decoder, tiny=size.startswith("tiny"))
+  table["t5gemma2.tiny"] = _make_t5gemma2_tiny()
   return table
 
 

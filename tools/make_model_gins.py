@@ -23,13 +23,16 @@ DESCRIPTION = {
     "decoder_only": "Decoder-only LM (causal; prefix-LM for tasks with inputs)",
     "t5gemma": ("T5Gemma (Gemma 2 layers as an encoder-decoder: RoPE, grouped-query and "
                 "local/global attention, soft-caps, tied decoder embedding)"),
+    "t5gemma2": ("T5Gemma 2, text (Gemma 3 layers as an encoder-decoder: Q/K norms, merged "
+                 "self/cross attention, 5 local : 1 global layers, two RoPE bases, all "
+                 "embeddings tied)"),
 }
 # Fields written only where a preset differs from ModelConfig's default (T5Gemma's).
 EXTRA_FIELDS = ("scale_logits", "num_kv_heads", "encoder_emb_dim", "encoder_num_heads",
                 "encoder_num_kv_heads", "encoder_head_dim", "encoder_mlp_dim", "rope_theta",
                 "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
                 "sliding_window", "sliding_window_pattern", "max_position_embeddings",
-                "decoder_start_token_id")
+                "rope_local_theta", "eoi_token_id", "decoder_start_token_id")
 
 
 def _extra_lines(cfg) -> list[str]:

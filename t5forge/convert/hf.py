@@ -306,14 +306,17 @@ def _distinct_lm_head(state: dict[str, np.ndarray]) -> bool:
 
 
 def load_hf(model_dir: str) -> tuple[ModelConfig, dict]:
-  """Reads an HF T5 (or T5Gemma: `hf_t5gemma.load_hf`) directory -> (ModelConfig,
-  float32 parameter tree)."""
+  """Reads an HF T5 (or T5Gemma: `hf_t5gemma.load_hf`; T5Gemma 2: `hf_t5gemma2.load_hf`)
+  directory -> (ModelConfig, float32 parameter tree)."""
   if not os.path.isdir(model_dir):
     raise UserError(f"{model_dir}: no such directory")
   hf = read_hf_config(model_dir)
   if hf.get("model_type") == "t5gemma":
     from t5forge.convert import hf_t5gemma  # pylint: disable=import-outside-toplevel
     return hf_t5gemma.load_hf(model_dir, hf)
+  if hf.get("model_type") == "t5gemma2":
+    from t5forge.convert import hf_t5gemma2  # pylint: disable=import-outside-toplevel
+    return hf_t5gemma2.load_hf(model_dir, hf)
   state = load_hf_state(model_dir)
   config = config_from_hf(hf, untied_lm_head=_distinct_lm_head(state),
                           source=os.path.join(model_dir, CONFIG_FILE))
@@ -423,7 +426,8 @@ def save_hf(params: dict, config: ModelConfig, out_dir: str, *, vocabulary=None,
   written from `vocabulary` (`vocab_io.write_hf_tokenizer`: spiece.model, tokenizer.json,
   tokenizer_config.json ... that transformers' AutoTokenizer loads).
 
-  A T5Gemma config is written as a T5Gemma directory (`hf_t5gemma.save_hf`).
+  A T5Gemma config is written as a T5Gemma directory (`hf_t5gemma.save_hf`), a T5Gemma 2
+  config as a T5Gemma 2 one (`hf_t5gemma2.save_hf`, text weights).
 
   The directory appears complete or not at all: everything is written to a temporary
   sibling that is renamed into place.
@@ -435,6 +439,10 @@ def save_hf(params: dict, config: ModelConfig, out_dir: str, *, vocabulary=None,
   if hf_t5gemma.is_t5gemma(config):
     return hf_t5gemma.save_hf(params, config, out_dir, vocabulary=vocabulary,
                               tokenizer_dir=tokenizer_dir)
+  if config.architecture == "t5gemma2":
+    from t5forge.convert import hf_t5gemma2  # pylint: disable=import-outside-toplevel
+    return hf_t5gemma2.save_hf(params, config, out_dir, vocabulary=vocabulary,
+                               tokenizer_dir=tokenizer_dir)
   from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
   hf_config = hf_config_from(config)
   state = params_to_state(params, config)

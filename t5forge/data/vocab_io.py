@@ -130,7 +130,7 @@ def from_hf_dir(path: str) -> Vocabulary | None:
   tokenizer.json through the `tokenizers` library, of config.json's vocab_size. None when
   the directory has no tokenizer."""
   hf_config = _read_json(os.path.join(path, "config.json"))
-  if hf_config.get("model_type") == "t5gemma":
+  if hf_config.get("model_type") in ("t5gemma", "t5gemma2"):
     return _t5gemma_vocab(path, hf_config)
   tok_cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
   spm_path = os.path.join(path, "spiece.model")

@@ -5,16 +5,20 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from t5forge.nn.config import DECODER_ONLY, ENCODER_DECODER, T5GEMMA, ModelConfig
+from t5forge.nn.config import DECODER_ONLY, ENCODER_DECODER, T5GEMMA, T5GEMMA2, ModelConfig
 from t5forge.nn.decoder_only import DecoderOnly
 from t5forge.nn.t5 import EncoderDecoder
 from t5forge.nn.t5gemma import T5GemmaEncoderDecoder
+from t5forge.nn.t5gemma2 import T5Gemma2EncoderDecoder
 
 
 def build(config: ModelConfig):
-  """The network a config describes: EncoderDecoder, DecoderOnly or T5GemmaEncoderDecoder."""
+  """The network a config describes: EncoderDecoder, DecoderOnly, T5GemmaEncoderDecoder or
+  T5Gemma2EncoderDecoder."""
   if config.architecture == T5GEMMA:
     return T5GemmaEncoderDecoder(config)
+  if config.architecture == T5GEMMA2:
+    return T5Gemma2EncoderDecoder(config)
   return EncoderDecoder(config) if config.is_encoder_decoder else DecoderOnly(config)
 
 
@@ -79,6 +83,7 @@ def params_mismatch(config: ModelConfig, params) -> str | None:
   return f"has a parameter {extra[0]!r} the model does not" if extra else None
 
 
-__all__ = ["ModelConfig", "EncoderDecoder", "DecoderOnly", "T5GemmaEncoderDecoder", "build", "abstract_params",
+__all__ = ["ModelConfig", "EncoderDecoder", "DecoderOnly", "T5GemmaEncoderDecoder",
+           "T5Gemma2EncoderDecoder", "build", "abstract_params",
            "logical_axes", "init_params", "count_params", "named_leaves", "params_mismatch",
-           "ENCODER_DECODER", "DECODER_ONLY", "T5GEMMA"]
+           "ENCODER_DECODER", "DECODER_ONLY", "T5GEMMA", "T5GEMMA2"]

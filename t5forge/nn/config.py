@@ -16,12 +16,16 @@ from t5forge.errors import UserError
 ENCODER_DECODER = "encoder_decoder"
 DECODER_ONLY = "decoder_only"
 T5GEMMA = "t5gemma"
-ARCHITECTURES = (ENCODER_DECODER, DECODER_ONLY, T5GEMMA)
+T5GEMMA2 = "t5gemma2"
+ARCHITECTURES = (ENCODER_DECODER, DECODER_ONLY, T5GEMMA, T5GEMMA2)
+GEMMA_ARCHITECTURES = (T5GEMMA, T5GEMMA2)
 # Fields that only the T5Gemma network reads (the T5 networks refuse non-default values).
 T5GEMMA_FIELDS = ("num_kv_heads", "encoder_emb_dim", "encoder_num_heads", "encoder_num_kv_heads",
                   "encoder_head_dim", "encoder_mlp_dim", "query_pre_attn_scalar",
                   "attn_logit_softcapping", "final_logit_softcapping", "sliding_window",
                   "max_position_embeddings")
+# Fields that only the T5Gemma 2 network reads.
+T5GEMMA2_FIELDS = ("rope_local_theta", "eoi_token_id")
 REMAT_POLICIES = ("none", "minimal", "full")
 ACTIVATIONS = ("relu", "gelu", "gelu_exact", "silu", "linear")
 
@@ -49,8 +53,11 @@ class ModelConfig:
     layer_norm_epsilon: epsilon of the RMS norms.
     relative_attention_num_buckets / relative_attention_max_distance: T5's relative
       position buckets.
-    architecture: 'encoder_decoder' (T5), 'decoder_only' (T5-style LM) or 't5gemma'
-      (arXiv 2504.06225: Gemma 2 layers as an encoder-decoder; `t5forge.nn.t5gemma`).
+    architecture: 'encoder_decoder' (T5), 'decoder_only' (T5-style LM), 't5gemma'
+      (arXiv 2504.06225: Gemma 2 layers as an encoder-decoder; `t5forge.nn.t5gemma`) or
+      't5gemma2' (arXiv 2512.14856: Gemma 3 layers, text only; `t5forge.nn.t5gemma2`:
+      Q/K norms, merged self/cross attention in the decoder, one embedding for encoder,
+      decoder and output, two RoPE bases; the t5gemma fields apply to it too).
       A T5Gemma network has RoPE in self-attention, "sandwich" RMS norms with a (1 + w)
       scale, embeddings multiplied by sqrt(width), separate encoder and decoder
       embeddings (the decoder's tied to the output layer when logits_via_embedding) and
@@ -73,6 +80,11 @@ class ModelConfig:
       (Gemma 2 / T5Gemma: 2, i.e. local, global, local, ...).
     max_position_embeddings: the longest sequence the model was trained for (t5gemma);
       only checked against sliding_window. None = no limit.
+    rope_local_theta: RoPE base of the sliding-window layers (t5gemma2: 10,000, the
+      global layers use rope_theta, 1,000,000); None = rope_theta.
+    eoi_token_id: t5gemma2: the token (Gemma 3's end-of-image, 256000) whose input
+      embedding is the separate vector `eoi_embedding`, unscaled, instead of its row of
+      the table (as transformers' T5Gemma2TextScaledWordEmbedding); None = no such token.
     decoder_start_token_id: the first decoder input (T5: 0 = pad; T5Gemma: 2 = BOS),
       used when decoding starts.
     dtype: compute dtype of the matmuls, 'float32' or 'bfloat16'. With 'bfloat16' the
@@ -125,6 +137,8 @@ class ModelConfig:
   sliding_window: int | None = None
   sliding_window_pattern: int = 2
   max_position_embeddings: int | None = None
+  rope_local_theta: float | None = None
+  eoi_token_id: int | None = None
   decoder_start_token_id: int = 0
 
   def __post_init__(self):
@@ -136,15 +150,22 @@ class ModelConfig:
         problems.append(f"{name} must be positive, got {getattr(self, name)}")
     if self.architecture not in ARCHITECTURES:
       problems.append(f"architecture must be one of {ARCHITECTURES}, got {self.architecture!r}")
-    if self.architecture in (ENCODER_DECODER, T5GEMMA) and self.num_encoder_layers <= 0:
+    if self.is_encoder_decoder and self.num_encoder_layers <= 0:
       problems.append("an encoder-decoder needs num_encoder_layers > 0")
-    if self.architecture == T5GEMMA:
+    if self.architecture in GEMMA_ARCHITECTURES:
       problems += self._t5gemma_problems()
     else:
       set_fields = [n for n in T5GEMMA_FIELDS if getattr(self, n) is not None]
       if set_fields:
         problems.append(f"{', '.join(set_fields)} apply only to architecture 't5gemma'; remove "
                         "them or set architecture = 't5gemma'")
+    if self.architecture == T5GEMMA2:
+      problems += self._t5gemma2_problems()
+    else:
+      set_fields = [n for n in T5GEMMA2_FIELDS if getattr(self, n) is not None]
+      if set_fields:
+        problems.append(f"{', '.join(set_fields)} apply only to architecture 't5gemma2'; "
+                        "remove them or set architecture = 't5gemma2'")
     if self.dtype not in ("float32", "bfloat16"):
       problems.append(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
     if self.weight_dtype not in ("float32", "int8"):
@@ -184,9 +205,25 @@ class ModelConfig:
         problems.append(f"{name} must be positive or None, got {value}")
     return problems
 
+  def _t5gemma2_problems(self) -> list[str]:
+    problems = []
+    if self.encoder_emb_dim is not None and self.encoder_emb_dim != self.emb_dim:
+      problems.append(f"encoder_emb_dim {self.encoder_emb_dim} differs from emb_dim "
+                      f"{self.emb_dim}; T5Gemma 2's merged attention projects the encoder "
+                      "output with the decoder's key/value kernels, so remove encoder_emb_dim")
+    if not self.logits_via_embedding:
+      problems.append("logits_via_embedding must be True for t5gemma2 (T5Gemma 2 ties the "
+                      "encoder, decoder and output embeddings)")
+    if self.rope_local_theta is not None and float(self.rope_local_theta) <= 0:
+      problems.append(f"rope_local_theta must be positive or None, got {self.rope_local_theta}")
+    if self.eoi_token_id is not None and not 0 <= self.eoi_token_id < self.vocab_size:
+      problems.append(f"eoi_token_id {self.eoi_token_id} is outside the vocabulary "
+                      f"[0, {self.vocab_size}); set it to None")
+    return problems
+
   @property
   def is_encoder_decoder(self) -> bool:
-    return self.architecture in (ENCODER_DECODER, T5GEMMA)
+    return self.architecture in (ENCODER_DECODER,) + GEMMA_ARCHITECTURES
 
   @property
   def kv_heads(self) -> int:

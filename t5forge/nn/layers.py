@@ -52,18 +52,20 @@ class RMSNorm(nn.Module):
 
   The variance is accumulated in float32 whatever the activation dtype. With
   `plus_one` (Gemma, T5Gemma) the parameter w is stored zero-centred and the scale is
-  1 + w, taken in float32 as transformers' Gemma norms do.
+  1 + w, taken in float32 as transformers' Gemma norms do. `axis` is the logical name
+  of the normalised axis ('kv' for Gemma 3's per-head query/key norms).
   """
 
   epsilon: float = 1e-6
   dtype: Any = jnp.float32
   plus_one: bool = False
+  axis: str = ax.EMBED
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     # x: [..., d]
     init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
-    scale = param_with_axes(self, "scale", init, (x.shape[-1],), (ax.EMBED,))
+    scale = param_with_axes(self, "scale", init, (x.shape[-1],), (self.axis,))
     x32 = x.astype(jnp.float32)
     var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
     y = x32 * jax.lax.rsqrt(var + self.epsilon)

@@ -1,0 +1,331 @@
+"""T5Gemma 2 (arXiv 2512.14856): Gemma 3 layers as an encoder-decoder, text only.
+
+Selected by `ModelConfig(architecture='t5gemma2')`; the T5Gemma fields (grouped-query
+heads, query_pre_attn_scalar, sliding_window, soft-caps, ...) mean what they mean for
+`t5forge.nn.t5gemma`, and the sandwich norms, gated tanh-GELU MLP, sqrt(width)
+embedding scale and the decoder's start token are that module's. What differs:
+
+- per-head RMS norms of queries and keys (`query_norm`, `key_norm`, (1 + w) scale over
+  head_dim) before RoPE;
+- two RoPE bases: sliding-window layers use `rope_local_theta` (10,000), global layers
+  `rope_theta` (1,000,000); five local layers to one global (`sliding_window_pattern` 6);
+- the decoder has no separate cross-attention: each layer's "merged" attention projects
+  the encoder output with its own key/value kernels (keys key-normed, no RoPE) and its
+  queries attend over [decoder keys ; encoder keys] in one softmax. Decoding therefore
+  caches both: the decoder's keys/values (`cached_key`, `cached_value`, max_length
+  positions) and the encoder's (`cross_key`, `cross_value`), projected once;
+- one embedding table (`token_embedder`) for the encoder, the decoder and the output
+  layer, and `eoi_embedding`: the input vector of token `eoi_token_id` (unscaled);
+- the encoder's sliding window is transformers' T5Gemma 2 window: a query at i sees keys
+  j with -((w + 1) // 2 - 1) <= j - i <= w // 2 (w keys); the decoder's is causal,
+  0 <= i - j < w.
+
+The vision tower of the released checkpoints is not modelled (t5forge reads text).
+
+Parameter paths: `token_embedder/embedding` [v, e], `eoi_embedding` [e] (when
+eoi_token_id is set), `encoder/layers_<i>/{pre,post}_self_attention_layer_norm`,
+`.../attention/{query,key,value,out}/kernel`, `.../attention/{query,key}_norm/scale`,
+`.../{pre,post}_mlp_layer_norm`, `.../mlp/{wi_0,wi_1,wo}`, `encoder/encoder_norm`; the
+decoder's layers the same with `merged_attention` for `attention`, `decoder/decoder_norm`.
+
+Shape letters (docs/shapes.md): b batch, i encoder length, t decoder length, e width,
+v vocab, h heads, n key/value heads, d head_dim.
+"""
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from t5forge import sharding as ax
+from t5forge.nn import attention as attn
+from t5forge.nn import matmul
+from t5forge.nn.config import ModelConfig
+from t5forge.nn.layers import Dense, Embed, Kernel, RMSNorm, param_with_axes
+from t5forge.nn.stack import layer_stack
+from t5forge.nn.t5 import ACT, _dropout, _mlp, output_logits
+from t5forge.nn.t5gemma import _norm, _pick, _window_mask
+
+# transformers initialises Gemma embeddings N(0, 0.02) (`initializer_range`); with the
+# tied, unscaled output layer T5's N(0, 1) would start from logits of variance emb_dim.
+EMBED_INIT = nn.initializers.normal(stddev=0.02)
+
+
+def _encoder_window_mask(length: int, window: int):
+  """[1, 1, i, i] bool: transformers' bidirectional T5Gemma 2 window, (w + 1) // 2 keys
+  at or before the query and w // 2 after it."""
+  idx = jnp.arange(length)
+  delta = idx[None, :] - idx[:, None]  # key - query
+  return ((delta > -((window + 1) // 2)) & (delta <= window // 2))[None, None]
+
+
+class Gemma3Attention(nn.Module):
+  """Gemma 3 attention: GQA with query/key RMS norms and RoPE, optionally merged with
+  attention to the encoder (decoder) through the same key/value kernels.
+
+  Built from `attention`'s pieces: `Kernel` projections (fused by `matmul.dense_multi`),
+  `apply_rope`, `grouped_attention` and the head-major decoding cache layout.
+  """
+
+  config: ModelConfig  # the stack's shape
+
+  @nn.compact
+  def __call__(self, x, encoded, theta, mask_bias, deterministic: bool,
+               decode: bool = False, cache_index=None, max_length: int | None = None,
+               positions=None, merged: bool = False):
+    """x [b, t, e] attends to itself (and, merged, to encoded [b, i, e]).
+
+    Args:
+      theta: the RoPE base of this layer (a float, or a traced scalar under scan).
+      mask_bias: additive mask [b, 1, t, t (+ i)] over [own keys ; encoder keys], or
+        [b, 1, t, max_length + i] when decoding.
+      decode: one step over the cache; `encoded` is only read on the call that creates
+        the cache (the encoder keys/values are projected into it then).
+      positions: [b, t] or [t] RoPE positions; None: 0..t-1 (+ cache_index).
+
+    Returns:
+      [b, t, e]
+    """
+    cfg = self.config
+    h, n, d = cfg.num_heads, cfg.kv_heads, cfg.head_dim
+    dtype = cfg.activation_dtype
+    init = nn.initializers.variance_scaling(1.0, "fan_in", "normal")
+    width = x.shape[-1]
+    kq = Kernel(h * d, (ax.EMBED, ax.JOINED_KV), kernel_init=init, name="query")(width)
+    kk = Kernel(n * d, (ax.EMBED, ax.KV_HEADS), kernel_init=init, name="key")(width)
+    kv = Kernel(n * d, (ax.EMBED, ax.KV_HEADS), kernel_init=init, name="value")(width)
+    kq, kk, kv = (k.astype(dtype) for k in (kq, kk, kv))
+    query_norm = RMSNorm(epsilon=cfg.layer_norm_epsilon, dtype=dtype, plus_one=True,
+                         axis=ax.KV, name="query_norm")
+    key_norm = RMSNorm(epsilon=cfg.layer_norm_epsilon, dtype=dtype, plus_one=True,
+                       axis=ax.KV, name="key_norm")
+
+    def heads(y, num, axis):  # [b, l, num * d] -> [b, l, num, d]
+      return nn.with_logical_constraint(y.astype(dtype).reshape(*y.shape[:-1], num, d),
+                                        (ax.BATCH, ax.LENGTH, axis, ax.ACT_KV))
+
+    q, k, v = matmul.dense_multi(x.astype(dtype), [kq, kk, kv])
+    q, k, v = heads(q, h, ax.ACT_HEADS), heads(k, n, ax.KV_HEADS), heads(v, n, ax.KV_HEADS)
+    if positions is None:
+      positions = jnp.arange(x.shape[1]) + (0 if cache_index is None else cache_index)
+    q = attn.apply_rope(query_norm(q), positions, theta)
+    k = attn.apply_rope(key_norm(k), positions, theta)
+    scalar = cfg.query_pre_attn_scalar or d
+    q = (q.astype(jnp.float32) * float(scalar) ** -0.5).astype(q.dtype)
+
+    def project_encoder(enc):  # [b, i, e] -> key-normed k, v [b, i, n, d]
+      ek, ev = matmul.dense_multi(enc.astype(dtype), [kk, kv])
+      return key_norm(heads(ek, n, ax.KV_HEADS)), heads(ev, n, ax.KV_HEADS)
+
+    head_major = attn._head_major  # pylint: disable=protected-access
+
+    if decode:
+      initialized = self.has_variable("cache", "cached_key")
+      b = x.shape[0]
+      k_new, v_new = head_major(k), head_major(v)  # the cache layout, [b, n, t, d]
+      ck = self.variable("cache", "cached_key", jnp.zeros, (b, n, max_length, d), k_new.dtype)
+      cv = self.variable("cache", "cached_value", jnp.zeros, (b, n, max_length, d), v_new.dtype)
+      if initialized:  # a real step (not the call that creates the cache): write in place
+        zero = jnp.zeros((), jnp.int32)
+        ck.value = jax.lax.dynamic_update_slice(ck.value, k_new, (zero, zero, cache_index, zero))
+        cv.value = jax.lax.dynamic_update_slice(cv.value, v_new, (zero, zero, cache_index, zero))
+      k, v = ck.value, cv.value  # [b, n, max_length, d]
+      if merged:
+        if not self.has_variable("cache", "cross_key"):
+          ek, ev = project_encoder(encoded)
+          self.put_variable("cache", "cross_key", head_major(ek))
+          self.put_variable("cache", "cross_value", head_major(ev))
+        k = jnp.concatenate([k, self.get_variable("cache", "cross_key")], axis=2)
+        v = jnp.concatenate([v, self.get_variable("cache", "cross_value")], axis=2)
+    elif merged:  # [b, t + i, n, d]
+      ek, ev = project_encoder(encoded)
+      k, v = jnp.concatenate([k, ek], axis=1), jnp.concatenate([v, ev], axis=1)
+    dropout_rng = (None if deterministic or cfg.dropout_rate == 0 or decode
+                   else self.make_rng("dropout"))
+    out = attn.grouped_attention(q, k, v, None, mask_bias, cache_layout=decode,
+                                 softcap=cfg.attn_logit_softcapping,
+                                 float32_logits=cfg.float32_attention_logits,
+                                 dropout_rate=cfg.dropout_rate, dropout_rng=dropout_rng)
+    out = out.reshape(*out.shape[:-2], h * d)  # [b, t, h*d]
+    return Dense(width, (ax.JOINED_KV, ax.EMBED), dtype=dtype, kernel_init=init,
+                 name="out")(out)
+
+
+class Layer(nn.Module):
+  """Sandwich-normed attention (merged in the decoder) and MLP, each with a residual."""
+
+  config: ModelConfig  # the stack's shape
+  merged: bool = False  # decoder layer: attend to the encoder output too
+  scanned: bool = False
+
+  @nn.compact
+  def __call__(self, x, sliding, encoded, positions, global_bias, local_bias,
+               deterministic: bool, decode: bool = False, cache_index=None,
+               max_length: int | None = None):
+    # x: [b, l, e]; sliding: bool (traced under scan); *_bias: [b, 1, l, keys]
+    cfg = self.config
+    local_theta = cfg.rope_local_theta or cfg.rope_theta
+    theta = _pick(sliding, local_theta, cfg.rope_theta)
+    y = _norm(cfg, "pre_self_attention_layer_norm")(x)
+    y = Gemma3Attention(cfg, name="merged_attention" if self.merged else "attention")(
+        y, encoded, theta, _pick(sliding, local_bias, global_bias), deterministic, decode,
+        cache_index, max_length, positions, self.merged)
+    y = _norm(cfg, "post_self_attention_layer_norm")(y)
+    x = nn.with_logical_constraint(x + _dropout(cfg, y, deterministic), ACT)
+    y = _mlp(cfg)(_norm(cfg, "pre_mlp_layer_norm")(x), deterministic)
+    y = _norm(cfg, "post_mlp_layer_norm")(y)
+    x = nn.with_logical_constraint(x + _dropout(cfg, y, deterministic), ACT)
+    return (x, None) if self.scanned else x
+
+
+def _embed(cfg: ModelConfig, embedder: Embed, eoi, tokens, deterministic: bool):
+  """tokens [b, l] -> float32 [b, l, e]: rows * sqrt(e), the eoi token's the `eoi` vector."""
+  x = embedder(tokens) * jnp.float32(math.sqrt(cfg.emb_dim))
+  if eoi is not None:
+    x = jnp.where((tokens == cfg.eoi_token_id)[..., None], eoi.astype(jnp.float32), x)
+  x = _dropout(cfg, x, deterministic)
+  return nn.with_logical_constraint(x.astype(jnp.float32), ACT)
+
+
+def _broadcast_concat(self_mask, cross_mask, shape):
+  """[., 1, t, k] and [., 1, . , i] bool -> [b, 1, t, k + i]."""
+  b, t = shape
+  self_mask = jnp.broadcast_to(self_mask, (b, 1, t, self_mask.shape[-1]))
+  cross_mask = jnp.broadcast_to(cross_mask, (b, 1, t, cross_mask.shape[-1]))
+  return jnp.concatenate([self_mask, cross_mask], axis=-1)
+
+
+class Encoder(nn.Module):
+  config: ModelConfig
+  embedder: Embed
+
+  @nn.compact
+  def __call__(self, tokens, segment_ids, positions, eoi, deterministic: bool):
+    """tokens [b, i] (0 = padding), segment_ids / positions [b, i] or None -> [b, i, e]."""
+    cfg = self.config
+    enc = cfg.encoder
+    length = tokens.shape[-1]
+    x = _embed(enc, self.embedder, eoi, tokens, deterministic)
+    mask = attn.padding_mask(None, tokens > 0)  # padded queries still attend (as HF)
+    if segment_ids is not None:
+      mask = attn.combine_masks(mask, attn.segment_mask(segment_ids, segment_ids))
+    local = (None if cfg.sliding_window is None
+             else attn.combine_masks(mask, _encoder_window_mask(length, cfg.sliding_window)))
+    if positions is None:
+      positions = jnp.arange(length)
+    dtype = cfg.activation_dtype
+    x = layer_stack(Layer, num_layers=cfg.num_encoder_layers, scan=cfg.scan_layers,
+                    remat_policy=cfg.remat_policy, static_argnums=(5,),
+                    layer_kwargs=dict(config=enc), x=x,
+                    layer_flags=cfg.sliding_layers(cfg.num_encoder_layers),
+                    args=(None, positions, attn.mask_to_bias(mask, dtype),
+                          attn.mask_to_bias(local, dtype), deterministic))
+    x = _norm(enc, "encoder_norm")(x)
+    return _dropout(cfg, x, deterministic)
+
+
+class Decoder(nn.Module):
+  config: ModelConfig
+  embedder: Embed
+
+  @nn.compact
+  def __call__(self, encoded, encoder_tokens, decoder_input_tokens, encoder_segment_ids,
+               decoder_segment_ids, decoder_positions, eoi, deterministic: bool,
+               decode: bool = False, max_decode_length: int | None = None):
+    """-> float32 logits [b, t, v]; arguments as t5gemma.Decoder's."""
+    cfg = self.config
+    b, length = decoder_input_tokens.shape
+    dtype = cfg.activation_dtype
+    cache_index = None
+    if decode:
+      initialized = self.has_variable("cache", "index")
+      index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+      encoder_valid = self.variable("cache", "encoder_valid", lambda: encoder_tokens > 0)
+      cache_index = index.value
+      positions = cache_index + jnp.arange(length)  # [t]
+      keys = jnp.arange(max_decode_length)
+      self_mask = (keys[None, :] <= positions[:, None])[None, None]  # [1, 1, t, max_len]
+      local = (None if cfg.sliding_window is None
+               else _window_mask(positions, keys, cfg.sliding_window, True))
+      cross_mask = attn.padding_mask(None, encoder_valid.value)
+      if initialized:
+        index.value = cache_index + length
+    else:
+      positions = decoder_positions if decoder_positions is not None else jnp.arange(length)
+      idx = jnp.arange(length)
+      self_mask = attn.causal_mask(length)
+      local = (None if cfg.sliding_window is None
+               else _window_mask(idx, idx, cfg.sliding_window, True))
+      cross_mask = attn.padding_mask(None, encoder_tokens > 0)
+      if decoder_segment_ids is not None:
+        self_mask = attn.combine_masks(
+            self_mask, attn.segment_mask(decoder_segment_ids, decoder_segment_ids))
+        cross_mask = attn.combine_masks(
+            cross_mask, attn.segment_mask(decoder_segment_ids, encoder_segment_ids))
+    starts = jnp.broadcast_to(positions == 0, decoder_input_tokens.shape)
+    local = attn.combine_masks(self_mask, local) if local is not None else None
+    merged = _broadcast_concat(self_mask, cross_mask, (b, length))
+    merged_local = None if local is None else _broadcast_concat(local, cross_mask, (b, length))
+    tokens = decoder_input_tokens
+    if cfg.decoder_start_token_id:
+      # SeqIO's decoder inputs begin each segment with 0; T5Gemma's decoder starts from BOS.
+      tokens = jnp.where(starts & (tokens == 0), cfg.decoder_start_token_id, tokens)
+    y = _embed(cfg, self.embedder, eoi, tokens, deterministic)
+    y = layer_stack(Layer, num_layers=cfg.num_decoder_layers, scan=cfg.scan_layers,
+                    remat_policy=cfg.remat_policy, static_argnums=(5, 6, 8),
+                    layer_kwargs=dict(config=cfg, merged=True), x=y, decode=decode,
+                    layer_flags=cfg.sliding_layers(cfg.num_decoder_layers),
+                    args=(encoded, positions, attn.mask_to_bias(merged, dtype),
+                          attn.mask_to_bias(merged_local, dtype), deterministic, decode,
+                          cache_index, max_decode_length))
+    y = _dropout(cfg, _norm(cfg, "decoder_norm")(y), deterministic)
+    logits = output_logits(cfg, y, self.embedder)
+    if cfg.final_logit_softcapping is not None:
+      cap = cfg.final_logit_softcapping
+      logits = jnp.tanh(logits / cap) * cap
+    return logits
+
+
+class T5Gemma2EncoderDecoder(nn.Module):
+  """The T5Gemma 2 text network, with `EncoderDecoder`'s methods (`encode`, `decode`,
+  `__call__`), so `t5forge.models.EncoderDecoderModel` trains, scores and decodes it."""
+
+  config: ModelConfig
+
+  def setup(self):
+    cfg = self.config
+    self.token_embedder = Embed(num_embeddings=cfg.vocab_size, features=cfg.emb_dim,
+                                dtype=cfg.activation_dtype, embedding_init=EMBED_INIT)
+    self.eoi_embedding = (None if cfg.eoi_token_id is None else param_with_axes(
+        self, "eoi_embedding", nn.initializers.zeros, (cfg.emb_dim,), (ax.EMBED,)))
+    self.encoder = Encoder(config=cfg, embedder=self.token_embedder)
+    self.decoder = Decoder(config=cfg, embedder=self.token_embedder)
+
+  def encode(self, encoder_input_tokens, encoder_segment_ids=None, *,
+             enable_dropout: bool = False, encoder_positions=None):
+    """[b, i] int -> [b, i, e]."""
+    return self.encoder(encoder_input_tokens, encoder_segment_ids, encoder_positions,
+                        self.eoi_embedding, not enable_dropout)
+
+  def decode(self, encoded, encoder_input_tokens, decoder_input_tokens,
+             encoder_segment_ids=None, decoder_segment_ids=None, *,
+             enable_dropout: bool = False, decode: bool = False,
+             max_decode_length: int | None = None, decoder_positions=None):
+    """[b, i, e], [b, i], [b, t] -> logits [b, t, v]; with decode=True, one step of
+    cached decoding (the cache holds the decoder's and the encoder's keys/values)."""
+    return self.decoder(encoded, encoder_input_tokens, decoder_input_tokens,
+                        encoder_segment_ids, decoder_segment_ids, decoder_positions,
+                        self.eoi_embedding, not enable_dropout, decode, max_decode_length)
+
+  def __call__(self, encoder_input_tokens, decoder_input_tokens, decoder_target_tokens=None,
+               encoder_segment_ids=None, decoder_segment_ids=None, encoder_positions=None,
+               decoder_positions=None, *, enable_dropout: bool = False):
+    """Teacher forcing: [b, i], [b, t] -> logits [b, t, v] (float32)."""
+    del decoder_target_tokens
+    encoded = self.encode(encoder_input_tokens, encoder_segment_ids,
+                          enable_dropout=enable_dropout, encoder_positions=encoder_positions)
+    return self.decode(encoded, encoder_input_tokens, decoder_input_tokens,
+                       encoder_segment_ids, decoder_segment_ids, enable_dropout=enable_dropout,
+                       decoder_positions=decoder_positions)
