@@ -57,8 +57,10 @@ def standard_logical_axis_rules(activation_partitioning_dims: int = 1,
   if a not in (1, 2) or p not in (1, 2):
     raise UserError(f"activation_partitioning_dims={a} and parameter_partitioning_dims={p} "
                     "must each be 1 or 2")
-  # kv_heads: sharded like the query heads where the model axis divides it
-  # (Partitioner.tree_shardings replicates it otherwise, e.g. 4 kv heads on 8 devices).
+  # kv_heads: sharded like the query heads. The kernels' [kv_heads * head_dim] axis splits
+  # wherever the model axis divides it (Partitioner.tree_shardings); the activations'
+  # kv-head axis only where it divides the number of kv heads, replicated otherwise, e.g.
+  # 4 kv heads on 8 devices (attention._head_axis).
   rules = [(BATCH, DATA), (VOCAB, MODEL), (MLP, MODEL), (HEADS, MODEL), (KV, None),
            (JOINED_KV, MODEL), (KV_HEADS, MODEL)]
   if a == 1 and p == 1:

@@ -1,6 +1,10 @@
 """Runs in a subprocess with 8 host CPU devices (XLA_FLAGS set by the test): trains a
 small model on several meshes and partitioning rules, compares against one device, and
-checks the sharding of every parameter and optimizer leaf. Prints one JSON line."""
+checks the sharding of every parameter and optimizer leaf. Prints one JSON line.
+
+  python tests/sharding_worker.py DIR            # T5 (CFG)
+  python tests/sharding_worker.py DIR t5gemma    # T5Gemma with GQA (T5GEMMA_CFG)
+"""
 import json
 import os
 import sys
@@ -9,6 +13,7 @@ import jax
 import numpy as np
 
 from t5forge.models import EncoderDecoderModel
+from t5forge import presets
 from t5forge.nn import ModelConfig
 from t5forge.sharding import Partitioner, is_axes, standard_logical_axis_rules
 from t5forge.train import checkpoint as ckpt_lib
@@ -18,13 +23,18 @@ from t5forge.train.state import TrainState
 # Every sharded dimension divides by 8 (data) and 4 (model), so the rules apply unaltered.
 CFG = ModelConfig(vocab_size=8000, emb_dim=128, num_heads=4, head_dim=32, mlp_dim=256,
                   num_encoder_layers=2, num_decoder_layers=2, dropout_rate=0.0)
+# T5Gemma: decoder 4 query heads over 2 kv heads, encoder 4 over 1 (multi-query), a sliding
+# window (8) shorter than the sequences (32) so local and global layers differ.
+T5GEMMA_CFG = presets.get("t5gemma.tiny", vocab_size=8000, emb_dim=128, num_heads=4,
+                          num_kv_heads=2, head_dim=32, mlp_dim=256, encoder_num_kv_heads=1,
+                          query_pre_attn_scalar=32, dropout_rate=0.0)
 
 
-def run(out_dir, mesh, pdims, steps=3, devices=None):
+def run(out_dir, mesh, pdims, steps=3, devices=None, cfg=CFG):
   part = Partitioner(mesh_shape=mesh, devices=devices,
                      logical_axis_rules=standard_logical_axis_rules(1, pdims))
   result = loop.train(
-      model=EncoderDecoderModel(CFG, optimizer=optim.Adafactor()), model_dir=out_dir,
+      model=EncoderDecoderModel(cfg, optimizer=optim.Adafactor()), model_dir=out_dir,
       train_dataset_cfg=settings.DatasetConfig("bible_translate_en_es",
                                                {"inputs": 32, "targets": 32}, batch_size=8),
       total_steps=steps, partitioner=part,
@@ -34,9 +44,9 @@ def run(out_dir, mesh, pdims, steps=3, devices=None):
   return part, result
 
 
-def check_shardings(part, state):
+def check_shardings(part, state, cfg=CFG):
   """Every leaf's .sharding equals what the rules give for its logical axes."""
-  model = EncoderDecoderModel(CFG)
+  model = EncoderDecoderModel(cfg)
   p_axes = model.logical_axes()
   spec = optim.Adafactor()
   o_axes = spec.state_axes(state.opt_state, model.abstract_params(), p_axes)
@@ -54,24 +64,40 @@ def check_shardings(part, state):
   return n
 
 
+def compare_meshes(tmp, runs, cfg=CFG):
+  """Trains on one device and on each (mesh, pdims) of runs -> {name: differences}."""
+  report = {}
+  _, ref = run(f"{tmp}/one", (1, 1), 1, devices=jax.devices()[:1], cfg=cfg)
+  ref_params = jax.tree.map(np.asarray, ref.state.params)
+  for mesh, pdims in runs:
+    name = f"{mesh[0]}x{mesh[1]}_p{pdims}"
+    part, res = run(f"{tmp}/{name}", mesh, pdims, cfg=cfg)
+    n = check_shardings(part, res.state, cfg)
+    params = jax.tree.map(np.asarray, res.state.params)
+    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(params),
+                                                            jax.tree.leaves(ref_params)))
+    loss_diff = abs(res.train_metrics["loss"] - ref.train_metrics["loss"])
+    sharded = sum(1 for x in jax.tree.leaves(res.state.params)
+                  if any(s is not None for s in x.sharding.spec))
+    specs = {jax.tree_util.keystr(path): [s if s is None or isinstance(s, str) else list(s)
+                                          for s in x.sharding.spec]
+             for path, x in jax.tree_util.tree_leaves_with_path(res.state.params)}
+    report[name] = {"max_param_diff": diff, "loss_diff": loss_diff, "leaves_checked": n,
+                    "sharded_params": sharded, "loss": float(res.train_metrics["loss"]),
+                    "specs": specs}
+  report["one"] = {"loss": float(ref.train_metrics["loss"])}
+  return report
+
+
+def main_t5gemma(tmp):
+  """T5Gemma with 2-D parameter rules over meshes (4, 2) and (2, 4)."""
+  assert jax.device_count() == 8, jax.devices()
+  print(json.dumps(compare_meshes(tmp, (((4, 2), 2), ((2, 4), 2)), cfg=T5GEMMA_CFG)))
+
+
 def main(tmp):
   assert jax.device_count() == 8, jax.devices()
-  report = {}
-  _, ref = run(f"{tmp}/one", (1, 1), 1, devices=jax.devices()[:1])
-  ref_params = jax.tree.map(np.asarray, ref.state.params)
-  for mesh in ((8, 1), (4, 2), (2, 4)):
-    for pdims in (1, 2):
-      name = f"{mesh[0]}x{mesh[1]}_p{pdims}"
-      part, res = run(f"{tmp}/{name}", mesh, pdims)
-      n = check_shardings(part, res.state)
-      params = jax.tree.map(np.asarray, res.state.params)
-      diff = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(params),
-                                                              jax.tree.leaves(ref_params)))
-      loss_diff = abs(res.train_metrics["loss"] - ref.train_metrics["loss"])
-      sharded = sum(1 for x in jax.tree.leaves(res.state.params)
-                    if any(s is not None for s in x.sharding.spec))
-      report[name] = {"max_param_diff": diff, "loss_diff": loss_diff, "leaves_checked": n,
-                      "sharded_params": sharded}
+  report = compare_meshes(tmp, [((m, 8 // m), p) for m in (8, 4, 2) for p in (1, 2)])
   # A (4, 2) checkpoint restores on (8, 1) and on one device with identical values.
   src = f"{tmp}/4x2_p2"
   saved = jax.tree.map(np.asarray, ckpt_lib.Checkpointer(src, settings.SaveCheckpointConfig())
@@ -104,4 +130,7 @@ def _abstract(part):
 
 
 if __name__ == "__main__":
-  main(sys.argv[1])
+  if sys.argv[2:] == ["t5gemma"]:
+    main_t5gemma(sys.argv[1])
+  else:
+    main(sys.argv[1])

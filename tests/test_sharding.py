@@ -11,9 +11,7 @@ import pytest
 
 from t5forge.errors import UserError
 from t5forge.sharding import Partitioner, standard_logical_axis_rules
-from train_helpers import ROOT, write_gin
-
-EIGHT = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+from train_helpers import EIGHT, ROOT, write_gin
 
 
 def test_meshes_match_one_device_and_shard_as_the_rules_say(tmp_path):

@@ -4,9 +4,6 @@ the seed's fine-tuning gin runs, and bad input gets one clear line."""
 import glob
 import os
 import shutil
-import signal
-import subprocess
-import time
 
 import jax
 import numpy as np
@@ -14,19 +11,8 @@ import pytest
 
 from conftest import T5X_FIXTURE
 from t5forge.convert import native
-from train_helpers import ROOT, read_jsonl, run_train, train_cmd, write_gin
-
-
-def _final_params(model_dir):
-  path = native.latest_checkpoint(model_dir)
-  _, params, _ = native.load(path)
-  return path, jax.tree.map(np.asarray, params)
-
-
-def _fingerprints(model_dir):
-  # Last write wins: a resumed run re-records the steps after its checkpoint.
-  return {r["step"]: r["crc"] for r in read_jsonl(os.path.join(model_dir,
-                                                              "batch_fingerprints.0.jsonl"))}
+from train_helpers import (fingerprints, final_params, kill_when, read_jsonl, run_train, train_cmd,
+                           write_gin)
 
 
 @pytest.fixture(scope="module")
@@ -74,37 +60,20 @@ def test_loss_falls_by_a_margin(tmp_path):
   assert first > 8.5 and first - last > 2.5, (first, last)
 
 
-def _kill_when(cmd, cond, timeout=300):
-  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  start = time.time()
-  try:
-    while proc.poll() is None and time.time() - start < timeout:
-      if cond():
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        return True
-      time.sleep(0.002)
-    return False
-  finally:
-    if proc.poll() is None:
-      proc.kill()
-      proc.wait()
-
-
 def test_sigkill_after_a_checkpoint_resumes_bitwise(uninterrupted, tmp_path):
   gin, ref_dir, _ = uninterrupted
   model_dir = tmp_path / "model"
-  killed = _kill_when(train_cmd(gin, model_dir),
-                      lambda: 4 in native.checkpoint_steps(str(model_dir)))
+  killed = kill_when(train_cmd(gin, model_dir),
+                     lambda: 4 in native.checkpoint_steps(str(model_dir)))
   assert killed, "the run finished before it could be killed"
   assert native.checkpoint_steps(str(model_dir))[-1] < 12
   r = run_train(gin, model_dir)
   assert r.returncode == 0, r.stderr[-3000:]
-  path, params = _final_params(model_dir)
-  ref_path, ref = _final_params(ref_dir)
+  path, params = final_params(model_dir)
+  ref_path, ref = final_params(ref_dir)
   assert path.endswith("checkpoint_12") and ref_path.endswith("checkpoint_12")
   jax.tree.map(np.testing.assert_array_equal, params, ref)
-  assert _fingerprints(model_dir) == _fingerprints(ref_dir)
+  assert fingerprints(model_dir) == fingerprints(ref_dir)
 
 
 def test_sigkill_during_an_async_save_resumes_bitwise(uninterrupted, tmp_path):
@@ -116,17 +85,17 @@ def test_sigkill_during_an_async_save_resumes_bitwise(uninterrupted, tmp_path):
 
   for _ in range(5):  # a save of a tiny model is quick; try again if we missed it
     shutil.rmtree(model_dir, ignore_errors=True)
-    if _kill_when(train_cmd(gin, model_dir), saving):
+    if kill_when(train_cmd(gin, model_dir), saving):
       break
   else:
     pytest.fail("never caught a save in progress")
   assert glob.glob(str(model_dir / "*orbax-checkpoint-tmp*"))  # the torn save is on disk
   r = run_train(gin, model_dir)
   assert r.returncode == 0, r.stderr[-3000:]
-  _, params = _final_params(model_dir)
-  _, ref = _final_params(ref_dir)
+  _, params = final_params(model_dir)
+  _, ref = final_params(ref_dir)
   jax.tree.map(np.testing.assert_array_equal, params, ref)
-  assert _fingerprints(model_dir) == _fingerprints(ref_dir)
+  assert fingerprints(model_dir) == fingerprints(ref_dir)
 
 
 def test_rerun_after_the_last_step_says_so_and_exits_0(uninterrupted):
@@ -161,7 +130,7 @@ utils.RestoreCheckpointConfig.assignment_map = (
   r = run_train(gin, tmp_path / "model")
   assert r.returncode == 0, r.stderr[-3000:]
   assert "initialised from" in r.stdout and "2 parameter(s) from scratch" in r.stdout
-  _, params = _final_params(tmp_path / "model")
+  _, params = final_params(tmp_path / "model")
   from t5forge.convert import load_checkpoint  # pylint: disable=import-outside-toplevel
   t5x_params = load_checkpoint(T5X_FIXTURE).params
   # Two steps away from the fixture's values: close to them, not equal.

@@ -1,13 +1,17 @@
 """Tiny training runs through the CLI, for the end-to-end tests."""
 import os
+import signal
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The environment of a subprocess with 8 host CPU devices (the partitioning tests).
+EIGHT = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 
 TINY_GIN = """
 include 'runs/pretrain.gin'
-include 'models/t5_1_1/tiny.gin'
+include 'models/{model}.gin'
 MIXTURE_OR_TASK_NAME = 'bible_translate_en_es'
 TASK_FEATURE_LENGTHS = {{'inputs': 32, 'targets': 32}}
 TRAIN_STEPS = {steps}
@@ -23,10 +27,11 @@ utils.create_learning_rate_scheduler.warmup_steps = 100
 """
 
 
-def write_gin(path, *, steps=12, period=4, eval_period=1000, stats_period=4, extra="", header=""):
+def write_gin(path, *, steps=12, period=4, eval_period=1000, stats_period=4, extra="", header="",
+              model="t5_1_1/tiny"):
   with open(path, "w") as f:
     f.write(header + TINY_GIN.format(steps=steps, period=period, eval_period=eval_period,
-                                     stats_period=stats_period) + extra)
+                                     stats_period=stats_period, model=model) + extra)
   return str(path)
 
 
@@ -38,6 +43,41 @@ def train_cmd(gin_file, model_dir, *bindings):
 def run_train(gin_file, model_dir, *bindings, timeout=600):
   return subprocess.run(train_cmd(gin_file, model_dir, *bindings), capture_output=True,
                         text=True, cwd=ROOT, timeout=timeout)
+
+
+def kill_when(cmd, cond, timeout=300) -> bool:
+  """Starts cmd and SIGKILLs it as soon as cond() holds; False if it ended first."""
+  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  start = time.time()
+  try:
+    while proc.poll() is None and time.time() - start < timeout:
+      if cond():
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        return True
+      time.sleep(0.002)
+    return False
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+
+
+def final_params(model_dir):
+  """(path, numpy params) of the latest checkpoint in model_dir."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from t5forge.convert import native  # pylint: disable=import-outside-toplevel
+  path = native.latest_checkpoint(str(model_dir))
+  _, params, _ = native.load(path)
+  return path, jax.tree.map(np.asarray, params)
+
+
+def fingerprints(model_dir):
+  """{step: crc} of the recorded batches. Last write wins: a resumed run re-records the
+  steps after its checkpoint."""
+  return {r["step"]: r["crc"] for r in read_jsonl(os.path.join(model_dir,
+                                                              "batch_fingerprints.0.jsonl"))}
 
 
 def read_jsonl(path):

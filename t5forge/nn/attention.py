@@ -219,7 +219,7 @@ class MultiHeadAttention(nn.Module):
         width, (ax.EMBED, axis), kernel_init=init, name=name)(x.shape[-1]).astype(self.dtype)
     heads = lambda y, x, num, axis: nn.with_logical_constraint(  # noqa: E731
         y.astype(self.dtype).reshape(*x.shape[:-1], num, d),
-        (ax.BATCH, ax.LENGTH, axis, ax.ACT_KV))
+        (ax.BATCH, ax.LENGTH, _head_axis(axis, num), ax.ACT_KV))
     kv_kernels = lambda x: [kernel(name, kernel_init, x, n * d, kv_axis)  # noqa: E731
                             for name in ("key", "value")]
 
@@ -288,6 +288,25 @@ class MultiHeadAttention(nn.Module):
                  kernel_init=kernel_init, name="out")(out)
 
 
+def _head_axis(axis: str, num_heads: int) -> str | None:
+  """The logical axis to constrain a [.., num_heads, head_dim] activation's head dimension
+  with: `axis` where the mesh axes the rules map it to divide num_heads, else None.
+
+  GQA has fewer key/value heads than the model axis may have devices (1 or 2 kv heads on
+  4): a head dimension split unevenly is padded, and XLA then regathers it in full
+  ("involuntary full rematerialization") at every reshape; replicated it is not.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.shape:
+    return axis
+  mesh_axes = nn.logical_to_mesh_axes((axis,))[0]
+  if mesh_axes is None:
+    return axis
+  size = math.prod(mesh.shape[a] for a in ((mesh_axes,) if isinstance(mesh_axes, str)
+                                           else mesh_axes))
+  return axis if num_heads % size == 0 else None
+
+
 def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
   """Rotary position embedding of x [b, l, n, d] at int positions [b, l] or [l].
 
@@ -345,7 +364,14 @@ def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array 
   if dropout_rng is not None and dropout_rate > 0.0:
     keep = philox.keep_mask(philox.seed_words(dropout_rng), weights.shape, dropout_rate)
     weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0).astype(v.dtype)
-  out = _einsum(f"bngqk,{kv_eq}->bqngd", weights, v).astype(v.dtype)
+  if cache_layout:
+    # The plain batched matmul [b, n, g*q, k] x [b, n, k, d]. As the 5-D einsum below,
+    # XLA:CPU put the cache first in a bfloat16 while loop, a dot its bf16 kernels lack
+    # ("Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32").
+    out = _einsum("bnmk,bnkd->bnmd", weights.reshape(b, n, (h // n) * lq, -1), v)
+    out = out.reshape(b, n, h // n, lq, d).transpose(0, 3, 1, 2, 4).astype(v.dtype)
+  else:
+    out = _einsum(f"bngqk,{kv_eq}->bqngd", weights, v).astype(v.dtype)
   return out.reshape(b, lq, h, d)
 
 

@@ -68,6 +68,12 @@ def _pick(sliding, local_bias, global_bias):
   return jnp.where(sliding, local_bias, global_bias)
 
 
+# transformers' T5Gemma initialises embeddings N(0, 0.02) (`initializer_range`). T5's N(0, 1)
+# would make the tied, unscaled output layer's initial logits N(0, emb_dim): a first loss of
+# ~25 nats over an 8,000-word vocabulary instead of ~ln(8000) = 9.
+EMBED_INIT = nn.initializers.normal(stddev=0.02)
+
+
 def _embed(cfg: ModelConfig, embedder: Embed, tokens, deterministic: bool):
   """tokens [b, l] -> embeddings * sqrt(e) [b, l, e], float32 (the residual stream)."""
   x = embedder(tokens) * jnp.float32(cfg.emb_dim ** 0.5)
@@ -143,7 +149,8 @@ class Encoder(nn.Module):
     enc = cfg.encoder
     length = tokens.shape[-1]
     embedder = Embed(num_embeddings=cfg.vocab_size, features=enc.emb_dim,
-                     dtype=cfg.activation_dtype, name="token_embedder")
+                     dtype=cfg.activation_dtype, embedding_init=EMBED_INIT,
+                     name="token_embedder")
     x = _embed(enc, embedder, tokens, deterministic)
     # Padding keys are masked; padded queries still attend to real keys (as HF).
     mask = attn.padding_mask(None, tokens > 0)
@@ -179,7 +186,7 @@ class Decoder(nn.Module):
     length = decoder_input_tokens.shape[-1]
     dtype = cfg.activation_dtype
     embedder = Embed(num_embeddings=cfg.vocab_size, features=cfg.emb_dim, dtype=dtype,
-                     name="token_embedder")
+                     embedding_init=EMBED_INIT, name="token_embedder")
     cache_index = None
     if decode:
       initialized = self.has_variable("cache", "index")

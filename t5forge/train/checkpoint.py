@@ -46,9 +46,19 @@ def _unflatten_like(template: Any, flat: dict[str, Any]) -> Any:
   return jax.tree.unflatten(jax.tree.structure(template), [flat[p] for p in paths])
 
 
+# The model gins of each architecture, for the fix in a cross-architecture mismatch.
+_MODEL_GINS = {"encoder_decoder": "a T5 model gin (models/t5_1_1/*.gin, models/t5_1_0/*.gin, ...)",
+               "t5gemma": "a T5Gemma model gin (models/t5gemma/*.gin)",
+               "decoder_only": "a decoder-only model gin (models/decoder_only/*.gin)"}
+
+
 def remap_params(ckpt_params: Any, fresh_params: Any, config: RestoreCheckpointConfig, *,
-                 source: str) -> tuple[Any, list[str]]:
+                 source: str, fix: str | None = None) -> tuple[Any, list[str]]:
   """Builds the model's parameters from a checkpoint's, by name, as RestoreConfig says.
+
+  Args:
+    fix: what to do when a parameter is missing or of another shape (default: it may
+      be a checkpoint of another model; rename or initialise it).
 
   Returns:
     (parameters shaped like fresh_params, names taken from the fresh initialisation).
@@ -73,13 +83,13 @@ def remap_params(ckpt_params: Any, fresh_params: Any, config: RestoreCheckpointC
         from_scratch.append(name)
         continue
       raise UserError(f"{source}: has no parameter {source_name!r} (needed for {name!r}); "
-                      "is it a checkpoint of another model? Set fallback_to_scratch or an "
-                      "assignment_map rule to initialise or rename it")
+                      + (fix or "is it a checkpoint of another model? Set fallback_to_scratch "
+                         "or an assignment_map rule to initialise or rename it"))
     value = have[source_name]
     if tuple(value.shape) != tuple(init_value.shape):
       raise UserError(f"{source}: parameter {source_name!r} has shape {tuple(value.shape)} but "
-                      f"the model's {name!r} is {tuple(init_value.shape)}; it is a checkpoint "
-                      "of another model")
+                      f"the model's {name!r} is {tuple(init_value.shape)}; "
+                      + (fix or "it is a checkpoint of another model"))
     out[name] = jnp.asarray(value, dtype=init_value.dtype)  # dtype cast (e.g. bf16 -> f32)
   return _unflatten_like(fresh_params, out), from_scratch
 
@@ -272,8 +282,14 @@ def initial_params(config: RestoreCheckpointConfig, fresh_params: Any, *,
   if config.mode == "latest":
     path = native.latest_checkpoint(path) or path
   ckpt = load_checkpoint(path, scan_layers=model_config.scan_layers)
+  fix = None
+  theirs, ours = ckpt.config.architecture, model_config.architecture
+  if theirs != ours:  # e.g. a T5 checkpoint given to a T5Gemma model gin
+    fix = (f"include {_MODEL_GINS.get(theirs, f'a model gin of architecture {theirs!r}')} to "
+           f"start from this checkpoint, or set INITIAL_CHECKPOINT_PATH to a checkpoint of "
+           f"architecture {ours!r}")
   params, scratch = remap_params(ckpt.params, fresh_params, config,
-                                 source=ckpt.source_for(model_config))
+                                 source=ckpt.source_for(model_config), fix=fix)
   semantic = ("mlp_activations", "logits_via_embedding", "should_scale_logits",
               "relative_attention_max_distance", "layer_norm_epsilon")
   notes = [f"{name}: checkpoint {getattr(ckpt.config, name)!r}, model {getattr(model_config, name)!r}"
