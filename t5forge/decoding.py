@@ -81,6 +81,37 @@ class DecodingState:
 TokensToLogits = Callable[[DecodingState], tuple[jax.Array, PyTree]]
 
 
+def is_eos(tokens: jax.Array, eos_id) -> jax.Array:
+  """Which tokens end a decode (bool, the shape of tokens).
+
+  Args:
+    eos_id: one id (a Python int or a traced scalar): `tokens == eos_id`, as T5X; or a
+      sequence / [e] array of ids, any of which ends it (instruction-tuned T5Gemma:
+      (1, 107), <eos> and <end_of_turn>).
+  """
+  if np.ndim(eos_id) == 0:
+    return tokens == eos_id
+  ids = jnp.asarray(eos_id, jnp.int32).reshape(-1)
+  return jnp.any(tokens[..., None] == ids, axis=-1)
+
+
+def text_ids(ids: list[int], eos_id) -> list[int]:
+  """The ids of a finished decode to detokenize (host side).
+
+  With one EOS id, `ids` as they are (the vocabulary cuts at EOS and renders it as
+  nothing). With several (`is_eos`; the first is the vocabulary's EOS), the ids before
+  the first of them, plus that one only if it is the EOS: `<end_of_turn>` is a piece
+  the vocabulary would render as text.
+  """
+  if np.ndim(eos_id) == 0:
+    return ids
+  stops = [int(i) for i in np.reshape(eos_id, -1)]
+  at = next((j for j, t in enumerate(ids) if t in stops), None)
+  if at is None:
+    return ids
+  return ids[:at + 1] if ids[at] == stops[0] else ids[:at]
+
+
 def brevity_penalty(alpha, length):
   """T5X's length normaliser `((5 + length) / 6) ** alpha`; scores are log-prob / this."""
   return jnp.power((5.0 + jnp.asarray(length, jnp.float32)) / 6.0, alpha)
@@ -358,7 +389,7 @@ def sample_advance(s: SampleLoop, tokens_to_logits: TokensToLogits, *, eos_id: i
   Args:
     s: the state from `sample_init` or an earlier call.
     tokens_to_logits: the model step; see `DecodingState`.
-    eos_id: end-of-sequence id (traceable).
+    eos_id: end-of-sequence id (traceable), or several (see `is_eos`).
     topk, rescale_log_probs: static; as `temperature_sample`.
     greedy_only: static; decode argmax only (no sampling work per step).
     use_topp: static; False skips top-p's sort (when no row has topp in (0, 1)).
@@ -409,7 +440,7 @@ def sample_advance(s: SampleLoop, tokens_to_logits: TokensToLogits, *, eos_id: i
         cur_index=jnp.where(active, nxt, s.cur_index),
         sequences=jnp.where(write, token[:, None], s.sequences),
         cache=new_cache,
-        ended=s.ended | (generated & (token == eos_id)),
+        ended=s.ended | (generated & is_eos(token, eos_id)),
         log_prob=s.log_prob + jnp.where(generated, token_lp, 0.0),
         token_log_probs=jnp.where(record, token_lp[:, None], s.token_log_probs),
         top_ids=top_ids, top_log_probs=top_lps)
@@ -458,15 +489,15 @@ def temperature_sample(inputs: jax.Array, cache: PyTree, tokens_to_logits: Token
                        cache_offset: int = 0) -> tuple[jax.Array, jax.Array]:
   """Greedy decoding and temperature / top-k / top-p sampling (T5X's temperature_sample).
 
-  Every row decodes until it generates `eos_id` (later positions stay 0) or fills its
-  length; the loop ends when all rows are done. It is `sample_init`, one unbounded
+  Every row decodes until it generates `eos_id` (or one of several; later positions stay
+  0) or fills its length; the loop ends when all rows are done. It is `sample_init`, one unbounded
   `sample_advance` and `sample_result`.
 
   Args:
     inputs: [b, l] int32 decoder inputs: BOS at 0, an optional forced prompt, zeros.
     cache: the cache for b examples (see the module docstring).
     tokens_to_logits: the model step; see `DecodingState`.
-    eos_id: end-of-sequence id.
+    eos_id: end-of-sequence id, or a sequence of ids any of which ends a row (`is_eos`).
     decode_rng: PRNG key for sampling; None uses PRNGKey(0) (T5X). Unused if greedy.
     num_decodes: static; independent samples per example.
     temperature: scalar or [b] (traceable). <= 1e-4 is greedy (argmax); a Python 0
@@ -546,7 +577,7 @@ def beam_search(inputs: jax.Array, cache: PyTree, tokens_to_logits: TokensToLogi
     inputs: [b, l] int32 decoder inputs: BOS at 0, an optional forced prompt, zeros.
     cache: the cache for b examples (see the module docstring).
     tokens_to_logits: the model step; see `DecodingState`.
-    eos_id: end-of-sequence id.
+    eos_id: end-of-sequence id, or a sequence of ids any of which ends a row (`is_eos`).
     num_decodes: static; the beam size k.
     alpha: brevity-penalty exponent (traceable); 0 ranks by plain log-prob.
     max_decode_len: static; the output length (default l); inputs are cut or padded.
@@ -610,8 +641,8 @@ def beam_search(inputs: jax.Array, cache: PyTree, tokens_to_logits: TokensToLogi
     hopeless = jnp.all(s.finished_flags, axis=1) & (worst_finished > best_lp / max_penalty)
     started = s.cur_index > index0
     # The prompt token just fed is EOS: its beam finished and only fillers live.
-    ended_in_prompt = started & (jnp.take_along_axis(prompt, s.cur_index[:, None], axis=1)[:, 0]
-                                 == eos_id)
+    ended_in_prompt = started & is_eos(
+        jnp.take_along_axis(prompt, s.cur_index[:, None], axis=1)[:, 0], eos_id)
     return (s.cur_index >= limit) | hopeless | (started & (best_lp < min_lp)) | ended_in_prompt
 
   def body(s: _BeamState) -> _BeamState:
@@ -645,7 +676,7 @@ def beam_search(inputs: jax.Array, cache: PyTree, tokens_to_logits: TokensToLogi
     cand_seqs = _take_beams(s.live_seqs, cand_beam)
     cand_seqs = jnp.where(positions == nxt[:, None, None], cand_tok[:, :, None], cand_seqs)
     # A forced EOS ends its beam too, as in T5X.
-    cand_ended = cand_tok == eos_id
+    cand_ended = is_eos(cand_tok, eos_id)
 
     # Live: the best k candidates that did not end. Increasing order, as T5X.
     live_lp = cand_lp + cand_ended * NEG_INF

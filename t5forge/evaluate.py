@@ -24,7 +24,7 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from t5forge import multihost, provenance
+from t5forge import decoding, multihost, provenance
 from t5forge.errors import UserError
 from t5forge.predict import DecodeOptions, Predictor
 from t5forge.sharding import Partitioner
@@ -167,7 +167,9 @@ class InferenceEvaluator:
         if want_predict:
           row = [int(t) for t in toks[r]]
           ex = ds.examples[i]
-          preds[i] = task.postprocess(vocab.decode(row), example=ex, is_target=False)
+          # Several stop ids (ModelConfig.eos_token_ids): <end_of_turn> not in the text.
+          text = vocab.decode(decoding.text_ids(row, self.model.stop_ids))
+          preds[i] = task.postprocess(text, example=ex, is_target=False)
           tokens_out[i] = row
         if want_score:
           scores[i] = float(sc[r])

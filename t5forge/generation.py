@@ -127,6 +127,8 @@ class Generator:
     self.partitioner = partitioner
     self.chunk_tokens = int(chunk_tokens)
     self.eos_id = int(model.eos_id)
+    # The ids that end a row: eos_id, or several (ModelConfig.eos_token_ids).
+    self.stop_ids = model.stop_ids
     self.is_encoder_decoder = bool(model.config.is_encoder_decoder)
     self._fns: dict[tuple, Callable] = {}
 
@@ -146,7 +148,7 @@ class Generator:
       return self._fns[key]
     model, n, k = self.model, kind.num_decodes, kind.top_logprobs
     greedy = kind.method == "greedy"
-    eos = self.eos_id
+    eos = self.stop_ids
 
     def start(params, inputs, max_new, temperature, topp, rng):
       setup = model.decode_setup(params, self._batch(inputs), length)
@@ -293,7 +295,7 @@ class Generator:
     decodes, scores = self._beam_fn(kind, length)(self.params, placed["inputs"],
                                                   placed["max_new"], jnp.float32(alpha))
     tokens, scores = multihost.to_host(decodes), multihost.to_host(scores)
-    is_eos = tokens == self.eos_id
+    is_eos = np.isin(tokens, self.stop_ids)
     finished = is_eos.any(axis=-1)
     # A beam without EOS ran to its step limit.
     lengths = np.where(finished, is_eos.argmax(axis=-1) + 1,

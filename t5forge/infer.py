@@ -33,8 +33,9 @@ import warnings
 from typing import Any
 
 import jax
+import numpy as np
 
-from t5forge import multihost, provenance
+from t5forge import decoding, multihost, provenance
 from t5forge.errors import UserError
 from t5forge.data import files
 from t5forge.predict import DecodeOptions, Predictor, features_from_tokens
@@ -150,6 +151,7 @@ def infer(*, model, params, examples: list[Example], output_dir: str, name: str,
     raise UserError("score mode needs targets for every input")
   vocab = model.vocabulary
   eos = vocab.eos_id if vocab is not None else 1
+  stops = model.stop_ids  # the EOS id, or several (ModelConfig.eos_token_ids)
   longest = max(len(ex.inputs) for ex in examples)
   input_length = input_length or longest
   too_long = [ex for ex in examples if len(ex.inputs) > input_length]
@@ -196,9 +198,11 @@ def infer(*, model, params, examples: list[Example], output_dir: str, name: str,
       tokens, scores = predictor.predict(params, gbatch, opts, max_decode_length=target_length)
       for r, ex in enumerate(part):
         toks = [int(t) for t in tokens[r]]
-        cut = toks[:toks.index(eos) + 1] if eos in toks else toks
+        ends = np.flatnonzero(np.isin(toks, stops))
+        cut = toks[:ends[0] + 1] if len(ends) else toks
         row = {"inputs": ex.pretokenized,
-               "prediction": vocab.decode(cut) if vocab is not None else None,
+               "prediction": (vocab.decode(decoding.text_ids(cut, stops)) if vocab is not None
+                              else None),
                "prediction_tokens": cut}
         if mode == "predict_with_aux":
           row["aux"] = {"scores": float(scores[r])}
@@ -372,12 +376,10 @@ def infer_checkpoint(checkpoint: str, *, input_path: str | None = None, task: st
   """
   from t5forge import data, opener  # pylint: disable=import-outside-toplevel
   from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
-  from t5forge.data.vocab import SentencePieceVocabulary  # pylint: disable=import-outside-toplevel
   if module:
     data.import_task_module(module)
-  vocab = SentencePieceVocabulary(vocabulary_path, extra_ids=100) if vocabulary_path else None
   opened = opener.open_checkpoint(
-      checkpoint, vocabulary=vocab, overrides=load_overrides,
+      checkpoint, vocabulary_path=vocabulary_path, overrides=load_overrides,
       partitioner=inference_partitioner(partitioner), require_vocabulary=task is None,
       vocabulary_hint="--vocabulary path/to/spiece.model")
   model, vocab = opened.model, opened.vocabulary

@@ -28,6 +28,7 @@ from t5forge import nn as t5nn
 from t5forge import opener
 from t5forge import presets
 from t5forge.convert import LoadedCheckpoint, hf, native
+from t5forge.decoding import text_ids
 from t5forge.errors import UserError
 from t5forge.nn.config import ModelConfig
 from t5forge.predict import DecodeOptions, Predictor, features_from_tokens
@@ -202,10 +203,12 @@ class Model:
         arr = np.pad(arr, ((0, 0), (1, 0)))  # BOS
       cut += n
       tokens, _ = self.predict(arr, max_decode_length, **dataclasses.asdict(opts))
+      # Several stop ids (ModelConfig.eos_token_ids): <end_of_turn> ends the text, not in it.
+      text = lambda t: vocab.decode(text_ids(t, self.model.stop_ids))
       if tokens.ndim == 3:
-        out += [[vocab.decode(t) for t in row] for row in tokens.tolist()]
+        out += [[text(t) for t in row] for row in tokens.tolist()]
       else:
-        out += [vocab.decode(t) for t in tokens.tolist()]
+        out += [text(t) for t in tokens.tolist()]
     if cut:
       warnings.warn(f"{cut} of {len(texts)} inputs were longer than {max_input_length} tokens "
                     "and were truncated (raise max_input_length)", stacklevel=2)

@@ -87,6 +87,15 @@ class BaseModel:
   def eos_id(self) -> int:
     return getattr(self.vocabulary, "eos_id", None) or 1
 
+  @property
+  def stop_ids(self) -> int | tuple[int, ...]:
+    """What ends a decode: the EOS id, or a tuple of ids (EOS first) when the config
+    lists more (`ModelConfig.eos_token_ids`, e.g. T5Gemma's <end_of_turn> 107)."""
+    extra = self.config.eos_token_ids
+    if not extra or set(extra) == {self.eos_id}:
+      return self.eos_id
+    return tuple(dict.fromkeys((self.eos_id,) + tuple(extra)))
+
   def predict_batch(self, params: dict, batch: dict, rng: jax.Array | None = None,
                     **kwargs) -> jax.Array:
     """The best decode of each example, [b, l] (see `predict_batch_with_aux`)."""
@@ -130,7 +139,7 @@ class BaseModel:
     else:  # a caller's own function comes with its own parameters
       params = dict(decoder_params or {})
     return decode_fn(inputs=inputs, cache=cache, tokens_to_logits=tokens_to_logits,
-                          eos_id=self.eos_id, decode_rng=rng, num_decodes=num_decodes,
+                          eos_id=self.stop_ids, decode_rng=rng, num_decodes=num_decodes,
                           initial_index=initial_index, **params)
 
   # -- parameters ---------------------------------------------------------------------

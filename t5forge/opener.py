@@ -94,7 +94,8 @@ def _found(path: str) -> str:
 
 def open_checkpoint(path: str, *, vocabulary=None, model=None, overrides: dict | None = None,
                     partitioner: Partitioner | None = None, require_vocabulary: bool = False,
-                    vocabulary_hint: str = "--vocabulary path/to/spiece.model") -> Opened:
+                    vocabulary_hint: str = "--vocabulary path/to/spiece.model",
+                    vocabulary_path: str | None = None) -> Opened:
   """Opens any checkpoint the project reads for inference.
 
   Args:
@@ -110,15 +111,25 @@ def open_checkpoint(path: str, *, vocabulary=None, model=None, overrides: dict |
       standard rules, i.e. replicated on one device).
     require_vocabulary: a checkpoint without a vocabulary (and none given) is a
       UserError that names what was found and `vocabulary_hint`.
+    vocabulary_path: a SentencePiece .model to use instead of `vocabulary` (--vocabulary),
+      read as the checkpoint's family needs it (`vocab_io.from_model_file`).
+
+  A vocabulary with more ids than the model's embedding rows is a UserError.
   """
   load_overrides = dict(overrides or {})
   if model is not None:
     load_overrides.update(scan_layers=model.config.scan_layers,
                           weight_dtype=model.config.weight_dtype)
   ckpt = load_checkpoint(path, **load_overrides)
+  from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
+  if vocabulary_path:
+    vocabulary = vocab_io.from_model_file(vocabulary_path, ckpt.config)
   if vocabulary is None:
-    from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
     vocabulary = vocab_io.of_checkpoint(ckpt)
+  if vocabulary is not None and vocabulary.vocab_size > ckpt.config.vocab_size:
+    raise UserError(f"{vocabulary_path or vocab_io.describe(vocabulary)}: {vocabulary.vocab_size} "
+                    f"ids, more than the {ckpt.config.vocab_size} embedding rows (vocab_size) of "
+                    f"{ckpt.path}; use the tokenizer this model was trained with")
   if vocabulary is None and require_vocabulary:
     raise UserError(f"{ckpt.path}: no vocabulary saved with this {ckpt.format} checkpoint "
                     f"(found {_found(ckpt.path)}); pass {vocabulary_hint}")

@@ -285,7 +285,7 @@ def _edited(gemma_dirs, tmp_path, edit) -> str:
      "implies (96, 64)"),
     (lambda c: c["encoder"].update(num_hidden_layers=4, layer_types=[
         "sliding_attention", "full_attention"] * 2),
-     "'model.encoder.layers.3.pre_self_attn_layernorm.weight' is missing"),
+     "config.json: encoder.num_hidden_layers is 4, but the weights hold 3 encoder layers"),
 ])
 def test_nested_config_that_disagrees_with_the_weights_names_the_first_weight(
     gemma_dirs, tmp_path, edit, first):
@@ -300,7 +300,8 @@ def test_nested_config_that_disagrees_with_the_weights_names_the_first_weight(
     (lambda c: c["decoder"].update(layer_types=["full_attention"] * 2), "layer_types"),
     (lambda c: c.pop("decoder"), "no nested 'decoder' config"),
     (lambda c: c["decoder"].update(sliding_window=600), "sliding_window"),
-    (lambda c: c["encoder"].update(num_attention_heads=3), "num_heads"),
+    (lambda c: c["encoder"].update(num_attention_heads=3), "encoder.num_attention_heads 3 is "
+     "not a multiple of encoder.num_key_value_heads 2"),
 ])
 def test_config_t5forge_cannot_represent_is_one_line(gemma_dirs, tmp_path, edit, says):
   d = _edited(gemma_dirs, tmp_path, edit)

@@ -203,6 +203,7 @@ def main(argv: list[str]) -> int:
   service = app_lib.Service(batcher=batch, vocabulary=vocab, kind_cls=kind_cls,
                             model_name=name, limits=limits, metrics=metrics,
                             is_encoder_decoder=gen.is_encoder_decoder, eos_id=gen.eos_id,
+                            stop_ids=getattr(gen, "stop_ids", None),
                             api_key=args.api_key, check_kind=check_kind,
                             can_score=check_kind is None)
   return _run(app_lib.create_app(service), service, sock, args.host, t0,
@@ -240,11 +241,7 @@ def _open(args, buckets, exported) -> tuple:
     # What the export cannot run is a 400 naming the option, not a failed batch.
     return gen, vocab, exported.Kind, gen.check_kind
   from t5forge import generation, opener  # pylint: disable=import-outside-toplevel
-  vocab = None
-  if args.vocabulary:
-    from t5forge.data.vocab import SentencePieceVocabulary  # pylint: disable=import-outside-toplevel
-    vocab = SentencePieceVocabulary(args.vocabulary, extra_ids=100)
-  opened = opener.open_checkpoint(args.checkpoint, vocabulary=vocab,
+  opened = opener.open_checkpoint(args.checkpoint, vocabulary_path=args.vocabulary,
                                   overrides=decode_flags.runtime_overrides(args),
                                   partitioner=decode_flags.partitioner(args),
                                   require_vocabulary=True,

@@ -18,6 +18,7 @@ with our SentencePiece vocabulary, else the second with the `tokenizers` library
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from typing import Iterator
@@ -72,16 +73,50 @@ def _module(hf_cfg: dict, side: str, source: str) -> dict:
   if types is not None and list(types) != want:
     raise UserError(f"{where}: layer_types {types} is not the alternating pattern "
                     "sliding, full, sliding, ... that t5forge's T5Gemma implements")
+  heads, kv = m.get("num_attention_heads"), m.get("num_key_value_heads")
+  if isinstance(heads, int) and isinstance(kv, int) and kv > 0 and heads % kv:
+    raise UserError(f"{source}: {side}.num_attention_heads {heads} is not a multiple of "
+                    f"{side}.num_key_value_heads {kv}; grouped-query attention needs a "
+                    f"divisor of {heads} there")
+  window, limit = m.get("sliding_window"), m.get("max_position_embeddings")
+  if isinstance(window, int) and isinstance(limit, int) and window > limit:
+    raise UserError(f"{source}: {side}.sliding_window {window} is larger than "
+                    f"{side}.max_position_embeddings {limit}; set a window of at most {limit}")
   return m
 
 
-def config_from_hf(hf_cfg: dict, *, source: str, untied_lm_head: bool = False) -> ModelConfig:
+def _eos_token_ids(hf_cfg: dict, generation: dict | None, source: str,
+                   generation_source: str) -> tuple[int, ...] | None:
+  """The ids that end a decode: generation_config.json's eos_token_id (what
+  transformers' generate uses), else config.json's. An int or [1] is the vocabulary's
+  EOS alone (None); a list such as [1, 107] (instruction-tuned: <eos>, <end_of_turn>)
+  is kept."""
+  where, value = generation_source, (generation or {}).get("eos_token_id")
+  if value is None:
+    where = source
+    value = hf_cfg.get("eos_token_id", (hf_cfg.get("decoder") or {}).get("eos_token_id"))
+  ids = [value] if value is None or isinstance(value, int) else value
+  vocab = hf_cfg.get("vocab_size") or (hf_cfg.get("decoder") or {}).get("vocab_size")
+  if not isinstance(ids, list) or not all(
+      i is None or (isinstance(i, int) and not isinstance(i, bool) and 0 < i
+                    and (vocab is None or i < int(vocab))) for i in ids):
+    raise UserError(f"{where}: eos_token_id {value!r} is not a token id or a list of them "
+                    f"(in [1, vocab_size {vocab})); fix it, e.g. [1, 107]")
+  ids = [i for i in ids if i is not None]
+  return None if set(ids) <= {1} else tuple(dict.fromkeys(ids))
+
+
+def config_from_hf(hf_cfg: dict, *, source: str, untied_lm_head: bool = False,
+                   generation: dict | None = None,
+                   generation_source: str = "generation_config.json") -> ModelConfig:
   """T5Gemma config.json (nested encoder/decoder) -> ModelConfig (architecture 't5gemma').
 
   Args:
     source: the file the fields came from, for error messages.
     untied_lm_head: the weights hold an `lm_head.out_proj.weight` distinct from the
       decoder embedding (and config.json says tie_word_embeddings false).
+    generation: the directory's generation_config.json, if any (its eos_token_id list
+      becomes `eos_token_ids`), read from `generation_source`.
   """
   archs = hf_cfg.get("architectures") or []
   if hf_cfg.get("model_type") != ARCHITECTURE or (archs and HF_ARCHITECTURE not in archs):
@@ -103,8 +138,9 @@ def config_from_hf(hf_cfg: dict, *, source: str, untied_lm_head: bool = False) -
       raise UserError(f"{source}: encoder and decoder rope_theta differ; t5forge needs one")
     cross = dec.get("cross_attention_hidden_size")
     if cross is not None and int(cross) != int(enc["hidden_size"]):
-      raise UserError(f"{source}: decoder.cross_attention_hidden_size {cross} is not the "
-                      f"encoder's hidden_size {enc['hidden_size']}")
+      raise UserError(f"{source}: decoder.cross_attention_hidden_size {cross} is not "
+                      f"encoder.hidden_size {enc['hidden_size']}; the cross-attention reads "
+                      "the encoder's output, so they must be equal")
     if int(dec.get("pad_token_id", 0) or 0) != 0:
       raise UserError(f"{source}: decoder pad_token_id {dec.get('pad_token_id')} is not 0; "
                       "t5forge pads with id 0")
@@ -124,7 +160,7 @@ def config_from_hf(hf_cfg: dict, *, source: str, untied_lm_head: bool = False) -
       return None if value is None else float(value)
 
     window = dec.get("sliding_window")
-    return ModelConfig(
+    fields = dict(
         architecture=ARCHITECTURE,
         vocab_size=vocab.pop(),
         num_encoder_layers=int(enc["num_hidden_layers"]),
@@ -145,16 +181,28 @@ def config_from_hf(hf_cfg: dict, *, source: str, untied_lm_head: bool = False) -
         max_position_embeddings=(None if dec.get("max_position_embeddings") is None
                                  else int(dec["max_position_embeddings"])),
         decoder_start_token_id=int(dec.get("bos_token_id", 2)),
+        eos_token_ids=_eos_token_ids(hf_cfg, generation, source, generation_source),
     )
   except KeyError as err:
     raise UserError(f"{source}: missing field {err.args[0]!r} needed for a T5Gemma "
                     "config") from None
   except (TypeError, ValueError) as err:
     raise UserError(f"{source}: a field has the wrong type ({err})") from None
+  try:
+    return ModelConfig(**fields)
+  except UserError as err:  # what the checks above do not name by its config.json field
+    raise UserError(f"{source}: {err}") from None
 
 
 def _int_if_whole(x: float) -> float | int:
   return int(x) if float(x).is_integer() else x
+
+
+def _eos_value(config: ModelConfig) -> int | list[int]:
+  """HF's eos_token_id: 1 (<eos>), or the list of ids that end a decode, <eos> first."""
+  if not config.eos_token_ids:
+    return 1
+  return list(dict.fromkeys((1,) + tuple(config.eos_token_ids)))
 
 
 def _module_config(config: ModelConfig, *, encoder: bool) -> dict:
@@ -186,7 +234,7 @@ def _module_config(config: ModelConfig, *, encoder: bool) -> dict:
       "final_logit_softcapping": config.final_logit_softcapping,
       "attn_logit_softcapping": config.attn_logit_softcapping,
       "pad_token_id": 0,
-      "eos_token_id": 1,
+      "eos_token_id": _eos_value(config),
       "bos_token_id": config.decoder_start_token_id,
       "tie_word_embeddings": config.logits_via_embedding,
       "is_decoder": not encoder,
@@ -221,7 +269,7 @@ def hf_config_from(config: ModelConfig) -> dict:
       "attention_dropout": 0.0,
       "classifier_dropout_rate": 0.0,
       "pad_token_id": 0,
-      "eos_token_id": 1,
+      "eos_token_id": _eos_value(config),
       "bos_token_id": config.decoder_start_token_id,
       "use_cache": True,
   }
@@ -285,6 +333,32 @@ def _distinct_lm_head(state: dict) -> bool:
                                or not np.array_equal(head, emb))
 
 
+def _check_layer_counts(state: dict, config: ModelConfig, source: str) -> None:
+  """config.json's num_hidden_layers against the layers the weights hold, per stack."""
+  for side, n in (("encoder", config.num_encoder_layers), ("decoder", config.num_decoder_layers)):
+    prefix = f"model.{side}.layers."
+    held = {int(k[len(prefix):].split(".")[0]) for k in state
+            if k.startswith(prefix) and k[len(prefix):].split(".")[0].isdigit()}
+    if held and max(held) + 1 != n:
+      m = max(held) + 1
+      raise UserError(f"{source}: {side}.num_hidden_layers is {n}, but the weights hold {m} "
+                      f"{side} layers ({prefix}0..{m - 1}); set it (and {side}.layer_types) "
+                      f"to {m}")
+
+
+def _read_generation_config(path: str) -> dict | None:
+  if not os.path.isfile(path):
+    return None
+  try:
+    with open(path, encoding="utf-8") as f:
+      value = json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise UserError(f"{path}: not valid JSON ({e}); fix or remove it") from None
+  if not isinstance(value, dict):
+    raise UserError(f"{path}: not a JSON object; fix or remove it")
+  return value
+
+
 def load_hf(model_dir: str, hf_cfg: dict | None = None) -> tuple[ModelConfig, dict]:
   """Reads an HF T5Gemma directory -> (ModelConfig, float32 parameter tree)."""
   if not os.path.isdir(model_dir):
@@ -293,7 +367,11 @@ def load_hf(model_dir: str, hf_cfg: dict | None = None) -> tuple[ModelConfig, di
   source = os.path.join(model_dir, hf.CONFIG_FILE)
   state = hf.load_hf_state(model_dir)
   untied = hf_cfg.get("tie_word_embeddings", True) is False and _distinct_lm_head(state)
-  config = config_from_hf(hf_cfg, source=source, untied_lm_head=untied)
+  gen_source = os.path.join(model_dir, "generation_config.json")
+  generation = _read_generation_config(gen_source)
+  config = config_from_hf(hf_cfg, source=source, untied_lm_head=untied,
+                          generation=generation, generation_source=gen_source)
+  _check_layer_counts(state, config, source)
   params = hf.state_to_params(state, config, source=model_dir, table=name_table(config),
                               ignore=(LM_HEAD,) if config.logits_via_embedding else (),
                               family="T5Gemma")
@@ -317,7 +395,8 @@ def save_hf(params: dict, config: ModelConfig, out_dir: str, *, vocabulary=None,
     hf.write_json(os.path.join(tmp, hf.CONFIG_FILE), hf_config)
     hf.write_json(os.path.join(tmp, "generation_config.json"), {
         "decoder_start_token_id": config.decoder_start_token_id,
-        "bos_token_id": config.decoder_start_token_id, "eos_token_id": 1, "pad_token_id": 0})
+        "bos_token_id": config.decoder_start_token_id, "eos_token_id": _eos_value(config),
+        "pad_token_id": 0})
     hf.write_safetensors(state, tmp, max_shard_bytes=max_shard_bytes)
     notes = ([] if hf.copy_tokenizer_files(tokenizer_dir, TOKENIZER_FILES, tmp, vocabulary)
              else write_tokenizer(vocabulary, tmp))

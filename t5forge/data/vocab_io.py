@@ -151,6 +151,16 @@ def of_checkpoint(ckpt) -> Vocabulary | None:
   return None
 
 
+def from_model_file(path: str, config) -> SentencePieceVocabulary:
+  """A SentencePiece .model given on the command line (--vocabulary) for a model of
+  `config`: with T5's 100 extra ids (sentinels), or none for T5Gemma, whose Gemma
+  tokenizer has no sentinels (its config's vocab_size is the tokenizer's size)."""
+  if not os.path.isfile(path):
+    raise UserError(f"--vocabulary {path}: no such file; give a SentencePiece .model")
+  gemma = str(getattr(config, "architecture", "")).startswith("t5gemma")
+  return SentencePieceVocabulary(path, extra_ids=0 if gemma else 100)
+
+
 def from_checkpoint(path: str) -> Vocabulary | None:
   """The vocabulary of the checkpoint at `path`, without reading its weights.
 

@@ -102,6 +102,10 @@ class ModelConfig:
     weight_dtype: 'float32', or 'int8' for int8 weight-only projection kernels with
       per-channel scales (inference only; see `t5forge.nn.quant`). Set it when loading:
       `t5forge.load(path, weight_dtype='int8')` or `--weight_dtype int8`.
+    eos_token_ids: the ids that end a decode, when more than the vocabulary's EOS does:
+      instruction-tuned T5Gemma stops on <eos> 1 or <end_of_turn> 107, (1, 107), as its
+      HF generation_config.json's eos_token_id list. None = the vocabulary's EOS alone.
+      The vocabulary's EOS always ends a decode too.
   """
 
   vocab_size: int
@@ -124,6 +128,7 @@ class ModelConfig:
   scan_layers: bool = False
   remat_policy: str = "none"
   weight_dtype: str = "float32"
+  eos_token_ids: tuple[int, ...] | None = None
   num_kv_heads: int | None = None
   encoder_emb_dim: int | None = None
   encoder_num_heads: int | None = None
@@ -177,6 +182,15 @@ class ModelConfig:
       problems.append(f"mlp_activations {self.mlp_activations} must be non-empty, from {ACTIVATIONS}")
     if not 0.0 <= self.dropout_rate < 1.0:
       problems.append(f"dropout_rate must be in [0, 1), got {self.dropout_rate}")
+    if self.eos_token_ids is not None:
+      ids = self.eos_token_ids
+      ids = (ids,) if isinstance(ids, int) else tuple(ids)
+      if not ids or not all(isinstance(i, int) and not isinstance(i, bool)
+                            and 0 < i < int(self.vocab_size) for i in ids):
+        problems.append(f"eos_token_ids {self.eos_token_ids!r} must be token ids in "
+                        f"[1, vocab_size {self.vocab_size}), e.g. (1, 107), or None")
+      else:
+        object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in ids))
     if problems:
       raise UserError("invalid model config: " + "; ".join(problems))
 
@@ -188,9 +202,11 @@ class ModelConfig:
       if value is not None and int(value) <= 0:
         problems.append(f"{name} must be positive, got {value}")
     # (Not via self.encoder: that builds, and validates, another config.)
-    for side, heads, kv in (("", self.num_heads, self.num_kv_heads),
-                            ("encoder_", self.encoder_num_heads or self.num_heads,
-                             self.encoder_num_kv_heads or self.num_kv_heads)):
+    sides = [("", self.num_heads, self.num_kv_heads)]
+    if self.encoder_num_heads is not None or self.encoder_num_kv_heads is not None:
+      sides.append(("encoder_", self.encoder_num_heads or self.num_heads,
+                    self.encoder_num_kv_heads or self.num_kv_heads))
+    for side, heads, kv in sides:  # (the encoder's only where set: else the same numbers)
       if kv is not None and kv > 0 and heads % kv:
         problems.append(f"{side}num_heads {heads} is not a multiple of {side}num_kv_heads {kv}; "
                         f"use a divisor of {heads}")
@@ -275,4 +291,7 @@ class ModelConfig:
     missing = sorted(required - set(d))
     if missing:
       raise UserError(f"{source}: missing model config field(s) {missing}")
-    return cls(**d)
+    try:
+      return cls(**d)
+    except UserError as err:
+      raise UserError(f"{source}: {err}") from None

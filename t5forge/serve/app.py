@@ -47,6 +47,7 @@ class Service:
   metrics: Metrics
   is_encoder_decoder: bool = True
   eos_id: int = 1
+  stop_ids: Any = None  # several ids that end a row (ModelConfig.eos_token_ids), or None
   api_key: str | None = None
   check_kind: Any = None      # callable(kind) raising ValueError: what the backend cannot run
   can_score: bool = True
@@ -338,7 +339,11 @@ def create_app(service: Service) -> fastapi.FastAPI:
     n = len(plan.sources)
 
     def decode(tokens, length) -> str:
-      return s.vocabulary.decode(tokens[:int(length)].tolist())
+      ids = tokens[:int(length)].tolist()
+      if s.stop_ids is not None:
+        from t5forge.decoding import text_ids  # pylint: disable=import-outside-toplevel
+        ids = text_ids(ids, s.stop_ids)  # <end_of_turn> ends the text, not part of it
+      return s.vocabulary.decode(ids)
 
     if events is not None:
       request.state.streaming = True
