@@ -5,13 +5,16 @@
     python -m bench decode --sizes small   # one case, one shape
     python -m bench --quick                # smoke test: tiny shapes, 1 round (~2-3 minutes)
     python -m bench serve                  # `t5forge serve` under load (bench/serve.py)
+    python -m bench matmul t5gemma         # T5Gemma-S-S training + greedy vs transformers
 
 Cases: `matmul` (JAX and torch matmul peaks), `train` (step time, tokens/s, peak RSS,
 compile time, matmul-FLOP utilisation; ours fp32/bf16 (+ scan over layers) vs HF fp32 /
 bf16 autocast, Adafactor and AdamW), `decode` (greedy batch 1 and 16, beam 4 batch 1;
 ours vs HF fp32 / bf16 vs CTranslate2 fp32 / int8), `data` (the packing pipeline), and
-`scaling` (our step as batch and length double). `train` runs `matmul` first when it
-is not asked for, since utilisation is measured against the peak of the same run.
+`scaling` (our step as batch and length double), `t5gemma` (a T5Gemma-S-S training step
+and greedy decoding, ours fp32 / bf16 vs transformers' T5Gemma fp32 / bf16 autocast;
+bench/t5gemma_cases.py; only when named). `train` runs `matmul` first when it is not
+asked for, since utilisation is measured against the peak of the same run.
 
 Models are random-init T5s built offline from flan-t5-small / -base configs with a
 fixed seed and written once as HF directories under bench/results/.cache/ (with
@@ -21,7 +24,8 @@ process); timed runs alternate between live workers, and the tables report media
 Expected time on 2 cores: about an hour for the full run (flan-t5-base training with
 HF dominates; HF needs ~18 GB there).
 
-Writes bench/results/bench.json (bench_quick.json with --quick) with machine info,
+Writes bench/results/bench.json (bench_quick.json with --quick; bench_t5gemma.json for
+`matmul t5gemma` or `t5gemma` alone) with machine info,
 every timing, and the targets of issue 7 evaluated as ratios within the run. Worker
 logs: bench/results/.cache/logs/.
 """
@@ -35,11 +39,12 @@ import signal
 import sys
 import time
 
-from bench import decode_cases, shapes, table, train_cases
+from bench import decode_cases, shapes, t5gemma_cases, table, train_cases
 from bench.prepare import RESULTS_DIR, Context, bf16_hardware, machine_info, prepare_models
 from bench.workers import WorkerError, log
 
-CASES = ("matmul", "train", "decode", "data", "scaling")
+CASES = ("matmul", "train", "decode", "data", "scaling", "t5gemma")
+DEFAULT_CASES = CASES[:-1]  # `python -m bench` alone: issue 7's benchmark, as before
 
 
 def _parse(argv):
@@ -69,7 +74,7 @@ def _parse(argv):
 
 def _cases(raw: list) -> list[str]:
   """The cases in their canonical order; matmul is added for train."""
-  cases = [c for c in CASES if c in raw] or list(CASES)
+  cases = [c for c in CASES if c in raw] or list(DEFAULT_CASES)
   if "train" in cases and "matmul" not in cases:
     log("train: adding the matmul case (utilisation needs this run's matmul peak)")
     cases.insert(0, "matmul")
@@ -115,8 +120,10 @@ def main(argv=None) -> int:
     log(bf16_note)
   ctx = Context(plan=plan, rounds=rounds, quick=args.quick, seed=args.seed,
                 dtypes=("float32", "bfloat16") if with_bf16 else ("float32",))
-  output = args.output or os.path.join(RESULTS_DIR, "bench_quick.json" if args.quick
-                                       else "bench.json")
+  # A T5Gemma run (with matmul at most) has its own file, so it never replaces bench.json.
+  stem = "bench_t5gemma" if set(cases) <= {"matmul", "t5gemma"} and "t5gemma" in cases else "bench"
+  output = args.output or os.path.join(RESULTS_DIR, f"{stem}_quick.json" if args.quick
+                                       else f"{stem}.json")
   signal.signal(signal.SIGTERM, _terminate)
 
   report = {"benchmark": "t5forge side by side (issue 7)",
@@ -129,8 +136,10 @@ def main(argv=None) -> int:
   model_sizes = list(sizes) if {"train", "decode"} & set(cases) else []
   if "scaling" in cases and scaling_size not in model_sizes:
     model_sizes.append(scaling_size)
+  gemma = [t5gemma_cases.shape_of(ctx)] if "t5gemma" in cases else []
   try:
-    prepare_models(ctx, model_sizes, ct2_sizes=sizes if "decode" in cases else [])
+    prepare_models(ctx, model_sizes, ct2_sizes=sizes if "decode" in cases else [],
+                   extra_shapes=gemma)
     for case in cases:
       try:
         if case == "matmul":
@@ -144,6 +153,10 @@ def main(argv=None) -> int:
           report["data"] = train_cases.run_data(ctx)
         elif case == "scaling":
           report["scaling"] = [train_cases.run_scaling(ctx, scaling_size)]
+        elif case == "t5gemma":
+          peaks = report.get("matmul", {}).get("peaks_gflops", {})
+          report["t5gemma"] = t5gemma_cases.run(ctx, peaks, args.int8)
+          report["errors"] += report["t5gemma"].pop("errors")
       except WorkerError as e:
         log(f"{case} failed: {e}")
         report["errors"].append({"case": case, "error": str(e)})

@@ -36,7 +36,7 @@ def decode_rows(plan: shapes.Plan) -> list[dict]:
   return rows
 
 
-def _compare(a: list, b: list) -> dict:
+def compare(a: list, b: list) -> dict:
   """How many rows and tokens of two [b, l] token lists agree."""
   rows = sum(x == y for x, y in zip(a, b))
   tokens = sum(p == q for x, y in zip(a, b) for p, q in zip(x, y))
@@ -102,7 +102,7 @@ def run_decode(ctx: Context, size: str, int8: str = "auto") -> dict:
                                     ("ours fp32", "ours"))}
       for a in ("ct2 fp32", "ours fp32"):
         sanity.append({"row": check_row, "pair": f"{a} vs hf fp32",
-                       **_compare(tokens[a], tokens["hf fp32"])})
+                       **compare(tokens[a], tokens["hf fp32"])})
   results = []
   for w, tag in jobs:
     label, row_name = tag.split(" / ")

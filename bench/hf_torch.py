@@ -36,8 +36,18 @@ def _autocast(dtype: str):
   return contextlib.nullcontext()
 
 
+def _model_class(model_dir: str):
+  """T5ForConditionalGeneration, or T5GemmaForConditionalGeneration for a T5Gemma dir."""
+  with open(os.path.join(model_dir, "config.json")) as f:
+    model_type = json.load(f).get("model_type")
+  return (transformers.T5GemmaForConditionalGeneration if model_type == "t5gemma"
+          else transformers.T5ForConditionalGeneration)
+
+
 def _load(model_dir: str):
-  return transformers.T5ForConditionalGeneration.from_pretrained(
+  # eager attention: T5's relative bias and T5Gemma's attention-logit soft-cap are both
+  # computed there (transformers' sdpa path has no soft-cap).
+  return _model_class(model_dir).from_pretrained(
       model_dir, attn_implementation="eager", dtype=torch.float32)
 
 
@@ -96,6 +106,23 @@ def build_hf_dir(out_dir: str, hf_config: dict, seed: int) -> None:
   if (getattr(model.config, "scale_decoder_outputs", False)
       or torch.equal(model.lm_head.weight, model.shared.weight)):
     raise RuntimeError(f"{out_dir}: transformers reads back a tied or rescaled output layer")
+
+
+def build_t5gemma_dir(out_dir: str, hf_config: dict, seed: int) -> None:
+  """Random-init T5GemmaForConditionalGeneration (transformers' own init, seeded), saved
+  as a T5Gemma directory (nested encoder/decoder configs, tied decoder embedding). No
+  tokenizer: the benchmark feeds token ids."""
+  torch.manual_seed(seed)
+  model = transformers.T5GemmaForConditionalGeneration(t5gemma_config(hf_config))
+  model.save_pretrained(out_dir)
+
+
+def t5gemma_config(hf_config: dict) -> "transformers.T5GemmaConfig":
+  """`shapes.T5GemmaShape.hf_config()` as a transformers config."""
+  cfg = {k: v for k, v in hf_config.items() if k != "model_type"}
+  encoder = transformers.T5GemmaModuleConfig(**cfg.pop("encoder"))
+  decoder = transformers.T5GemmaModuleConfig(**cfg.pop("decoder"))
+  return transformers.T5GemmaConfig(encoder=encoder, decoder=decoder, **cfg)
 
 
 def convert_ct2(hf_dir: str, out_dir: str, quantization: str | None) -> None:
@@ -159,7 +186,10 @@ class Backend:
     built = []
     if not is_complete(hf_dir):
       tmp = _fresh(hf_dir)
-      build_hf_dir(tmp, hf_config, seed)
+      if hf_config.get("model_type") == "t5gemma":
+        build_t5gemma_dir(tmp, hf_config, seed)
+      else:
+        build_hf_dir(tmp, hf_config, seed)
       _finish(tmp, hf_dir)
       built.append(hf_dir)
     for quant, out in (ct2_dirs or {}).items():
@@ -195,7 +225,7 @@ class Backend:
   def setup_train(self, model_dir: str, dtype: str, optimizer: str, batch: int,
                   input_length: int, target_length: int, seed: int = 0):
     """forward (labels -> mean cross entropy) + backward + optimizer step, train mode
-    (dropout on, as ours)."""
+    (dropout on, as ours). Each run returns the loss (the first run's is reported)."""
     model = _load(model_dir).train()
     if optimizer == "adamw":
       opt = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
@@ -215,14 +245,20 @@ class Backend:
       loss.backward()
       opt.step()
       opt.zero_grad(set_to_none=True)
+      return {"loss": loss.item()}
 
     params = sum(p.numel() for p in model.parameters())
     return run, {"params": int(params)}
 
   # -- decoding ----------------------------------------------------------------------
   def setup_decode(self, tag: str, model_dir: str, dtype: str, method: str, batch: int,
-                   beams: int, input_length: int, new_tokens: int, seed: int = 0):
-    """`generate` with min_new_tokens = max_new_tokens: exactly new_tokens tokens."""
+                   beams: int, input_length: int, new_tokens: int, seed: int = 0,
+                   decoder_start: int = shapes.PAD):
+    """`generate` with min_new_tokens = max_new_tokens: exactly new_tokens tokens.
+
+    Args:
+      decoder_start: the decoder's first input (T5: pad 0; T5Gemma: BOS 2).
+    """
     if model_dir not in self._models:
       self._models[model_dir] = _load(model_dir).eval()
     model = self._models[model_dir]
@@ -233,7 +269,8 @@ class Backend:
     kwargs = dict(do_sample=False, num_beams=beams if method == "beam" else 1,
                   num_return_sequences=1, min_new_tokens=new_tokens,
                   max_new_tokens=new_tokens, pad_token_id=shapes.PAD,
-                  eos_token_id=shapes.EOS, decoder_start_token_id=shapes.PAD, use_cache=True)
+                  eos_token_id=shapes.EOS, decoder_start_token_id=decoder_start,
+                  use_cache=True)
 
     def run():
       with torch.inference_mode(), _autocast(dtype):

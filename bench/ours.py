@@ -112,13 +112,24 @@ class Backend:
 
   # -- training ----------------------------------------------------------------------
   def setup_train(self, model_dir: str, dtype: str, optimizer: str, scan: bool, batch: int,
-                  input_length: int, target_length: int, seed: int = 0, remat: str = "none"):
+                  input_length: int, target_length: int, seed: int = 0, remat: str = "none",
+                  z_loss: float | None = None, preset: str | None = None):
     """One training step (forward, backward, optimizer update) on a fixed random batch.
 
     The step is compiled ahead of time, so that the compile time is measured apart
-    from the first execution."""
+    from the first execution. Each run returns the step's mean cross-entropy per target
+    token (the first run's is reported: the loss of the shared initial weights).
+
+    Args:
+      z_loss: the model's z-loss coefficient (None: t5forge's default, T5X's 1e-4; 0 for
+        the same loss as transformers').
+      preset: a t5forge preset the loaded config must equal (shape and attention fields).
+    """
     m = t5forge.load(model_dir, dtype=dtype, scan_layers=scan, remat_policy=remat)
-    model = EncoderDecoderModel(m.config)
+    if preset:
+      check_preset(m.config, preset)
+    model = (EncoderDecoderModel(m.config) if z_loss is None
+             else EncoderDecoderModel(m.config, z_loss=z_loss))
     tx = OPTIMIZERS[optimizer]().build(lambda _: LEARNING_RATE, model.logical_axes())
     state = create_state(m.params, tx)
     del m  # the state holds the parameters now (and donates them)
@@ -133,6 +144,7 @@ class Backend:
     def run():
       holder[0], sums = compiled(holder[0], feats)
       jax.block_until_ready((holder[0], sums))
+      return {"loss": float(sums["cross_ent_loss"]) / float(sums["weight_sum"])}
 
     info = {"compile_s": compile_s, "xla_flops": _cost_flops(compiled),
             "params": int(sum(x.size for x in jax.tree.leaves(state.params)))}
@@ -154,9 +166,15 @@ class Backend:
 
   def setup_decode(self, tag: str, model_dir: str, dtype: str, method: str, batch: int,
                    beams: int, input_length: int, new_tokens: int, seed: int = 0,
-                   int8: bool = False):
-    """Greedy or beam decoding of exactly `new_tokens` tokens from random inputs."""
+                   int8: bool = False, preset: str | None = None):
+    """Greedy or beam decoding of exactly `new_tokens` tokens from random inputs.
+
+    Args:
+      preset: a t5forge preset the loaded config must equal (see check_preset).
+    """
     params, predictor, config = self._decoder(model_dir, dtype, int8)
+    if preset:
+      check_preset(config, preset)
     tokens = shapes.random_tokens(seed, batch, input_length, config.vocab_size,
                                   end_with_eos=True)
     feats = {"encoder_input_tokens": jnp.asarray(tokens),
@@ -178,6 +196,25 @@ class Backend:
     from bench import data_pipeline  # pylint: disable=import-outside-toplevel
     return [data_pipeline.run(*cfg, batch_size=batch_size, num_batches=num_batches)
             for cfg in data_pipeline.CONFIGS if cfg[3] and cfg[4] == "first_fit"]
+
+
+# Fields that a run sets or that do not change what the network computes.
+_RUN_FIELDS = frozenset({"dtype", "scan_layers", "remat_policy", "weight_dtype", "dropout_rate",
+                         "max_position_embeddings"})
+
+
+def check_preset(config: t5forge.ModelConfig, preset: str) -> None:
+  """Raises unless `config` (as t5forge.load read the shared HF directory) is the preset
+  `preset` in every field that shapes the network: the benchmark measures the released
+  shape, not a look-alike."""
+  from t5forge import presets  # pylint: disable=import-outside-toplevel
+  want = presets.get(preset)
+  diff = {f.name: (getattr(config, f.name), getattr(want, f.name))
+          for f in dataclasses.fields(config)
+          if f.name not in _RUN_FIELDS and getattr(config, f.name) != getattr(want, f.name)}
+  if diff:
+    raise AssertionError(f"the benchmark's model is not preset {preset}: "
+                         + ", ".join(f"{k}={a!r} (preset {b!r})" for k, (a, b) in diff.items()))
 
 
 def _calibrate(fn, seconds: float) -> int:

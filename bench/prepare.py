@@ -41,25 +41,36 @@ class Context:
     return os.path.join(self.cache_dir, "logs")
 
   def model_dir(self, size: str) -> str:
-    return os.path.join(self.cache_dir, shapes.SHAPES[size].cache_key(self.seed), "hf")
+    return self.shape_dir(shapes.SHAPES[size])
+
+  def shape_dir(self, shape) -> str:
+    """The HF directory of a `shapes.Shape` or `shapes.T5GemmaShape`."""
+    return os.path.join(self.cache_dir, shape.cache_key(self.seed), "hf")
 
   def ct2_dirs(self, size: str) -> dict[str, str]:
     root = os.path.dirname(self.model_dir(size))
     return {q: os.path.join(root, f"ct2-{q}") for q in CT2_QUANTIZATIONS}
 
 
-def prepare_models(ctx: Context, sizes: list[str], *, ct2_sizes: list[str]) -> None:
-  """Builds the HF directories (and CTranslate2 conversions) that are not cached yet."""
+def prepare_models(ctx: Context, sizes: list[str], *, ct2_sizes: list[str],
+                   extra_shapes: tuple = ()) -> None:
+  """Builds the HF directories (and CTranslate2 conversions) that are not cached yet.
+
+  Args:
+    sizes: keys of shapes.SHAPES (T5).
+    extra_shapes: more shapes (shapes.T5GemmaShape), HF directories only.
+  """
+  todo = [(shapes.SHAPES[s], s in ct2_sizes and ctx.ct2_dirs(s)) for s in sizes]
+  todo += [(shape, None) for shape in extra_shapes]
   with WorkerGroup(ctx.log_dir) as group:
     worker = None
-    for size in sizes:
-      shape = shapes.SHAPES[size]
+    for shape, ct2_dirs in todo:
       if worker is None:
         worker = group.start("hf", "prepare models")
-      log(f"models for {shape.name}: {os.path.dirname(ctx.model_dir(size))}")
-      built = worker.call("prepare", hf_dir=ctx.model_dir(size), hf_config=shape.hf_config(),
-                          seed=ctx.seed,
-                          ct2_dirs=ctx.ct2_dirs(size) if size in ct2_sizes else None)["built"]
+      hf_dir = ctx.shape_dir(shape)
+      log(f"models for {shape.name}: {os.path.dirname(hf_dir)}")
+      built = worker.call("prepare", hf_dir=hf_dir, hf_config=shape.hf_config(),
+                          seed=ctx.seed, ct2_dirs=ct2_dirs or None)["built"]
       for path in built:
         log(f"  built {os.path.relpath(path, REPO_ROOT)}")
 

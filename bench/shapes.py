@@ -58,6 +58,73 @@ SHAPES = {
 
 
 @dataclasses.dataclass(frozen=True)
+class T5GemmaShape:
+  """A T5Gemma encoder-decoder shape (HF T5GemmaModuleConfig field names), the same stack
+  for encoder and decoder (the S-S, B-B, ... sizes). Everything else is the released
+  configs' (Gemma 2's): soft-caps 50 / 30, sliding window 4096 on every other layer,
+  query_pre_attn_scalar = head_dim, RoPE theta 10,000, tied decoder embedding, BOS 2,
+  no dropout."""
+
+  name: str
+  preset: str  # the t5forge preset of this shape (checked against what t5forge.load reads)
+  vocab_size: int
+  hidden_size: int
+  num_attention_heads: int
+  num_key_value_heads: int
+  head_dim: int
+  intermediate_size: int
+  num_hidden_layers: int
+  sliding_window: int = 4096
+  bos_id: int = 2  # the decoder's start token
+
+  def hf_config(self) -> dict:
+    """Fields for `transformers.T5GemmaConfig`; `model_type` selects the builder."""
+    module = {
+        "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+        "intermediate_size": self.intermediate_size,
+        "num_hidden_layers": self.num_hidden_layers,
+        "num_attention_heads": self.num_attention_heads,
+        "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+        "query_pre_attn_scalar": self.head_dim, "sliding_window": self.sliding_window,
+        "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+        "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-6, "pad_token_id": PAD, "eos_token_id": EOS,
+        "bos_token_id": self.bos_id}
+    return {"model_type": "t5gemma", "encoder": dict(module), "decoder": dict(module),
+            "vocab_size": self.vocab_size, "tie_word_embeddings": True, "dropout_rate": 0.0,
+            "attention_dropout": 0.0, "pad_token_id": PAD, "eos_token_id": EOS,
+            "bos_token_id": self.bos_id}
+
+  def cache_key(self, seed: int) -> str:
+    digest = hashlib.sha1(json.dumps([self.hf_config(), seed, "v1"], sort_keys=True)
+                          .encode()).hexdigest()[:10]
+    return f"{self.name}-seed{seed}-{digest}"
+
+  def as_t5_shape(self) -> Shape:
+    """The T5 `Shape` whose matmuls are the same (for forward_matmul_macs): MHA only."""
+    if self.num_key_value_heads != self.num_attention_heads:
+      raise ValueError(f"{self.name}: FLOP count written for kv heads == heads")
+    return Shape(self.name, vocab_size=self.vocab_size, d_model=self.hidden_size,
+                 d_kv=self.head_dim, num_heads=self.num_attention_heads,
+                 d_ff=self.intermediate_size, num_layers=self.num_hidden_layers,
+                 num_decoder_layers=self.num_hidden_layers, dropout_rate=0.0)
+
+
+T5GEMMA_SHAPES = {
+    # --quick only: a Gemma-shaped toy (window 8 < the quick lengths, so local and global
+    # layers differ).
+    "tiny": T5GemmaShape("t5gemma-tiny", preset="t5gemma.tiny", vocab_size=32128,
+                         hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                         head_dim=16, intermediate_size=128, num_hidden_layers=2,
+                         sliding_window=8),
+    # google/t5gemma-s-s-{prefixlm,ul2}: the released shape, Gemma 2's 256k vocabulary.
+    "s-s": T5GemmaShape("t5gemma-s-s", preset="t5gemma.s-s", vocab_size=256000,
+                        hidden_size=512, num_attention_heads=8, num_key_value_heads=8,
+                        head_dim=64, intermediate_size=1024, num_hidden_layers=8),
+}
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
   """Sizes of every case. `FULL` is issue 7's benchmark; `QUICK` a smoke test."""
 
@@ -77,6 +144,14 @@ class Plan:
   scaling_batch: int = 8  # batch of the length series
   data_batches: int = 150
   data_batch_size: int = 32
+  # T5Gemma (`python -m bench t5gemma`): its 256k vocabulary makes the output layer ~8x
+  # flan-t5-small's, so the training batch is halved and decoding makes 32 tokens.
+  t5gemma_size: str = "s-s"
+  t5gemma_train_batch: int = 4
+  t5gemma_train_lengths: tuple[int, int] = (512, 128)
+  t5gemma_decode_input_length: int = 128
+  t5gemma_new_tokens: int = 32
+  t5gemma_decode_batches: tuple[int, ...] = (1, 16)
 
 
 FULL = Plan()
@@ -84,7 +159,9 @@ QUICK = Plan(rounds=1, warmup_runs=1, max_warmup_runs=3, matmul_sizes=(256, 512)
              matmul_seconds=0.05,
              train_batch=2, train_lengths=(64, 16), decode_input_length=32, new_tokens=16,
              decode_batches=(1, 4), scaling_batches=(2, 4), scaling_lengths=((32, 8), (64, 16)),
-             scaling_batch=4, data_batches=10)
+             scaling_batch=4, data_batches=10, t5gemma_size="tiny", t5gemma_train_batch=2,
+             t5gemma_train_lengths=(24, 12), t5gemma_decode_input_length=16,
+             t5gemma_new_tokens=8, t5gemma_decode_batches=(1, 4))
 
 
 def random_tokens(seed: int, batch: int, length: int, vocab_size: int, *,

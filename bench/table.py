@@ -201,6 +201,45 @@ def render_decode(dec: dict) -> list[str]:
   return lines
 
 
+def render_t5gemma(t5g: dict, peaks: dict) -> list[str]:
+  """The T5Gemma case (bench/t5gemma_cases.py): its training table (render_train's, with
+  the first-step loss check) and its decoding table (ratios to HF fp32 and bf16)."""
+  lines = []
+  if "train" in t5g:
+    tr = t5g["train"]
+    lines += render_train(tr, peaks)
+    lines.append("same loss on both sides: mean cross-entropy over all target tokens, "
+                 "dropout 0, ours z_loss 0; Adafactor. First-step loss (same weights, batch):")
+    for c in tr.get("loss_check", []):
+      lines.append(f"  {SHORT[c['dtype']]}: ours {c['ours']:.6f}, HF {c['hf']:.6f}, |diff| "
+                   f"{c['abs_diff']:.2e}")
+  if "decode" in t5g:
+    dec = t5g["decode"]
+    lines += ([""] if lines else []) + [
+              f"== T5Gemma decoding: {dec['shape']} (preset {dec['preset']}), "
+              f"{dec['input_length']} input tokens, greedy, exactly {dec['new_tokens']} new "
+              f"tokens from BOS 2; tokens/s = batch * {dec['new_tokens']} / latency ==",
+              "ours: EOS made unreachable; HF: generate(do_sample=False, num_beams=1, "
+              "use_cache=True, min_new_tokens = max_new_tokens), eager attention. HF bf16 = "
+              "autocast."]
+    body = []
+    for r in dec["rows"]:
+      h32 = _by(dec["rows"], row=r["row"], impl="hf fp32")
+      hb = _by(dec["rows"], row=r["row"], impl="hf bf16")
+      body.append([r["row"], r["impl"], _fmt(r["latency_s"], ".3f"),
+                   _fmt(r["tokens_per_s"], ".1f"),
+                   _fmt(h32 and r["tokens_per_s"] / h32["tokens_per_s"], ".2f") + "x",
+                   _fmt(hb and r["tokens_per_s"] / hb["tokens_per_s"], ".2f") + "x",
+                   _fmt(r.get("first_run_s"), ".1f")])
+    lines += _table(["row", "impl", "latency s", "tok/s", "vs HF fp32", "vs HF bf16",
+                     "first run s"], body, left=2)
+    for c in dec["sanity"]:
+      lines.append(f"greedy tokens, {c['row']}: {c['pair']}: {c['rows_equal']}/{c['rows']} "
+                   f"rows, {c['tokens_equal']}/{c['tokens']} tokens identical")
+    lines += dec.get("notes", [])
+  return lines
+
+
 def render_data(data: dict, report: dict) -> list[str]:
   body = [[r["name"], _fmt(r["examples_per_s"], ".0f"), _fmt(r["rows_per_s"], ".0f"),
            _fmt(r["real_tokens_per_s"], ".0f"), _fmt(r["examples_per_row"], ".2f"),
@@ -258,6 +297,8 @@ def render(report: dict) -> str:
     out += [""] + render_train(train, peaks)
   for dec in report.get("decode", []):
     out += [""] + render_decode(dec)
+  if "t5gemma" in report:
+    out += [""] + render_t5gemma(report["t5gemma"], peaks)
   if "data" in report:
     out += [""] + render_data(report["data"], report)
   for sc in report.get("scaling", []):
