@@ -85,6 +85,19 @@ def test_scanned_layers_equal_the_loop(models):
   np.testing.assert_allclose(scanned.logits(enc, dec), ours.logits(enc, dec), atol=2e-5)
 
 
+@pytest.mark.slow  # 45 s on the shared 2-core AMD EPYC (compiles the Adafactor train step)
+def test_training_steps_lower_the_loss(hf_dir):
+  """Gradients flow through the merged attention, the shared embedding and the eoi
+  vector: three Adafactor steps on one batch lower its loss."""
+  model = t5forge.load(hf_dir)
+  rng = np.random.default_rng(7)
+  examples = [{"inputs": list(rng.integers(3, 256, 20)) + [EOI],
+               "targets": list(rng.integers(3, 256, 12))} for _ in range(4)]
+  losses = [model.train_step(examples, learning_rate=1e-2)["loss"] for _ in range(4)]
+  print(f"MEASURED t5gemma2 train_step losses: {losses}")
+  assert losses[-1] < losses[0] - 0.1, losses
+
+
 def test_greedy_tokens_equal_transformers_generate(models):
   """Cached decoding past the window: the merged attention's cache holds the decoder's
   and the encoder's keys/values."""

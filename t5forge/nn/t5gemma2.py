@@ -103,8 +103,10 @@ class Gemma3Attention(nn.Module):
                        axis=ax.KV, name="key_norm")
 
     def heads(y, num, axis):  # [b, l, num * d] -> [b, l, num, d]
-      return nn.with_logical_constraint(y.astype(dtype).reshape(*y.shape[:-1], num, d),
-                                        (ax.BATCH, ax.LENGTH, axis, ax.ACT_KV))
+      # (Few kv heads on a wider model axis stay replicated: see attention._head_axis.)
+      return nn.with_logical_constraint(
+          y.astype(dtype).reshape(*y.shape[:-1], num, d),
+          (ax.BATCH, ax.LENGTH, attn._head_axis(axis, num), ax.ACT_KV))  # pylint: disable=protected-access
 
     q, k, v = matmul.dense_multi(x.astype(dtype), [kq, kk, kv])
     q, k, v = heads(q, h, ax.ACT_HEADS), heads(k, n, ax.KV_HEADS), heads(v, n, ax.KV_HEADS)
