@@ -256,6 +256,24 @@ def test_convert_cli_to_t5forge_and_back_to_hf_keeps_weights_and_tokenizer(
     assert a.read() == b.read()
 
 
+def test_eos_ids_from_generation_config_round_trip(hf_dir, tmp_path):
+  """generation_config.json's eos list (<eos> 1, Gemma 3's <end_of_turn> 106) becomes
+  eos_token_ids and is written back."""
+  import shutil  # pylint: disable=import-outside-toplevel
+  d = str(tmp_path / "it")
+  shutil.copytree(hf_dir, d)
+  with open(os.path.join(d, "generation_config.json"), encoding="utf-8") as f:
+    gen = json.load(f)
+  with open(os.path.join(d, "generation_config.json"), "w", encoding="utf-8") as f:
+    json.dump({**gen, "eos_token_id": [1, 106]}, f)
+  model = t5forge.load(d)
+  assert model.config.eos_token_ids == (1, 106)
+  model.save_hf(str(tmp_path / "out"))
+  with open(tmp_path / "out" / "generation_config.json", encoding="utf-8") as f:
+    assert json.load(f)["eos_token_id"] == [1, 106]
+  assert t5forge.load(str(tmp_path / "out")).config == model.config
+
+
 def test_vision_weights_are_skipped(hf_dir):
   """The saved directory holds a vision tower and projector; reading keeps the text."""
   from t5forge.convert import hf, hf_t5gemma2  # pylint: disable=import-outside-toplevel

@@ -88,8 +88,14 @@ def _text_config(m: dict, where: str) -> dict:
   return m
 
 
-def config_from_hf(hf_cfg: dict, *, source: str) -> ModelConfig:
-  """T5Gemma 2 config.json -> ModelConfig (architecture 't5gemma2')."""
+def config_from_hf(hf_cfg: dict, *, source: str, generation: dict | None = None,
+                   generation_source: str = "generation_config.json") -> ModelConfig:
+  """T5Gemma 2 config.json -> ModelConfig (architecture 't5gemma2').
+
+  Args:
+    generation: the directory's generation_config.json, if any: a list of eos ids there
+      (or in config.json) becomes `eos_token_ids`, as for T5Gemma.
+  """
   archs = hf_cfg.get("architectures") or []
   if hf_cfg.get("model_type") != ARCHITECTURE or (archs and HF_ARCHITECTURE not in archs):
     raise UserError(f"{source}: {', '.join(archs) or hf_cfg.get('model_type')!r} is not "
@@ -170,6 +176,8 @@ def config_from_hf(hf_cfg: dict, *, source: str) -> ModelConfig:
                                  else int(dec["max_position_embeddings"])),
         # An id outside the vocabulary never occurs: no eoi vector then.
         eoi_token_id=eoi if 0 <= eoi < vocab_size else None,
+        eos_token_ids=hf_t5gemma._eos_token_ids(  # pylint: disable=protected-access
+            hf_cfg, generation, source, generation_source),
         decoder_start_token_id=int(dec.get("bos_token_id", 2)),
     )
   except KeyError as err:
@@ -211,7 +219,7 @@ def _text_module(config: ModelConfig, *, encoder: bool) -> dict:
       "final_logit_softcapping": config.final_logit_softcapping,
       "attn_logit_softcapping": None,
       "pad_token_id": 0,
-      "eos_token_id": 1,
+      "eos_token_id": hf_t5gemma._eos_value(config),  # pylint: disable=protected-access
       "bos_token_id": config.decoder_start_token_id,
       "tie_word_embeddings": True,
   }
@@ -250,7 +258,7 @@ def hf_config_from(config: ModelConfig) -> dict:
       "attention_dropout": 0.0,
       "classifier_dropout_rate": 0.0,
       "pad_token_id": 0,
-      "eos_token_id": 1,
+      "eos_token_id": hf_t5gemma._eos_value(config),  # pylint: disable=protected-access
       "bos_token_id": config.decoder_start_token_id,
       "use_cache": True,
   }
@@ -308,7 +316,11 @@ def load_hf(model_dir: str, hf_cfg: dict | None = None) -> tuple[ModelConfig, di
   if not os.path.isdir(model_dir):
     raise UserError(f"{model_dir}: no such directory")
   hf_cfg = hf.read_hf_config(model_dir) if hf_cfg is None else hf_cfg
-  config = config_from_hf(hf_cfg, source=os.path.join(model_dir, hf.CONFIG_FILE))
+  gen_source = os.path.join(model_dir, "generation_config.json")
+  config = config_from_hf(
+      hf_cfg, source=os.path.join(model_dir, hf.CONFIG_FILE),
+      generation=hf_t5gemma._read_generation_config(gen_source),  # pylint: disable=protected-access
+      generation_source=gen_source)
   state = text_state(hf.load_hf_state(model_dir))
   emb = state.get("model.encoder.embed_tokens.weight")
   for name in TIED:
@@ -336,7 +348,9 @@ def save_hf(params: dict, config: ModelConfig, out_dir: str, *, vocabulary=None,
     hf.write_json(os.path.join(tmp, hf.CONFIG_FILE), hf_config)
     hf.write_json(os.path.join(tmp, "generation_config.json"), {
         "decoder_start_token_id": config.decoder_start_token_id,
-        "bos_token_id": config.decoder_start_token_id, "eos_token_id": 1, "pad_token_id": 0})
+        "bos_token_id": config.decoder_start_token_id,
+        "eos_token_id": hf_t5gemma._eos_value(config),  # pylint: disable=protected-access
+        "pad_token_id": 0})
     hf.write_safetensors(state, tmp, max_shard_bytes=max_shard_bytes)
     notes = ([] if hf.copy_tokenizer_files(tokenizer_dir, hf_t5gemma.TOKENIZER_FILES, tmp,
                                            vocabulary)
