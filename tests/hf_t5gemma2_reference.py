@@ -58,12 +58,15 @@ def build_hf_dir(out_dir: str, seed: int = 0, **text_changes) -> str:
 
 
 def _rope_float64(module, x, position_ids, layer_type):
-  """T5Gemma2RotaryEmbedding.forward with angles computed in float64."""
+  """T5Gemma2RotaryEmbedding.forward with angles computed in float64 (default or linear
+  RoPE)."""
   import torch  # pylint: disable=import-outside-toplevel
   cfg = module.config
-  base = cfg.rope_parameters[layer_type]["rope_theta"]
+  rope = cfg.rope_parameters[layer_type]
   dim = cfg.head_dim
-  inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+  inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+  if rope.get("rope_type") == "linear":
+    inv_freq = inv_freq / rope["factor"]
   freqs = position_ids[..., None].to(torch.float64) * inv_freq
   emb = torch.cat((freqs, freqs), dim=-1)
   return emb.cos().to(x.dtype), emb.sin().to(x.dtype)

@@ -62,6 +62,25 @@ def test_encoder_and_logits_as_accurate_as_transformers_float32(models):
     assert mine <= 2 * theirs + 1e-6, (what, mine, theirs)
 
 
+def test_linear_rope_scaling_of_global_layers_as_transformers(tmp_path):
+  """rope_parameters.full_attention {'rope_type': 'linear', 'factor': 8} (Gemma 3 4B's
+  form) reads as rope_scaling_factor 8, gives transformers' logits and is written back."""
+  rope = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+  d = build_hf_dir(str(tmp_path / "linear"), seed=1, rope_parameters=rope)
+  ours, hf32, hf64 = t5forge.load(d), load_hf_model(d), load_hf_model(d, float64=True)
+  assert ours.config.rope_scaling_factor == 8.0
+  enc, dec = random_batch(batch=1)
+  _, ref = hf_forward(hf64, enc, dec)
+  _, theirs = hf_forward(hf32, enc, dec)
+  mine = ours.logits(enc, dec)
+  assert _max_err(mine, ref) <= 2 * _max_err(theirs, ref) + 1e-6
+  unscaled = t5forge.Model(ours.config.replace(rope_scaling_factor=None), ours.params)
+  assert _max_err(unscaled.logits(enc, dec), ref) > 1e-2
+  ours.save_hf(str(tmp_path / "out"))
+  assert t5forge.load(str(tmp_path / "out")).config == ours.config
+
+
 @pytest.mark.parametrize("change", [dict(sliding_window=None), dict(rope_local_theta=1e6),
                                     dict(eoi_token_id=None), dict(sliding_window_pattern=2)])
 def test_each_feature_changes_the_logits(change, models):
@@ -303,7 +322,7 @@ def _edit(hf_dir, tmp_path, edit):
     (lambda c: c["decoder"].update(layer_types=["full_attention"] + ["sliding_attention"] * 6),
      "layer_types"),
     (lambda c: c["decoder"]["rope_parameters"]["full_attention"].update(
-        rope_type="linear", factor=8.0), "rope_parameters.full_attention type 'linear'"),
+        rope_type="dynamic", factor=8.0), "rope_parameters.full_attention type 'dynamic'"),
 ])
 def test_configs_we_cannot_represent_are_one_line_errors(edit, words, hf_dir, tmp_path):
   with pytest.raises(UserError) as err:

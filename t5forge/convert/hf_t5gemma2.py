@@ -46,19 +46,24 @@ PLACEHOLDER_VISION = {"model_type": "siglip_vision_model", "hidden_size": 16,
                       "image_size": 28, "patch_size": 14}
 
 
-def _rope_thetas(m: dict, where: str) -> tuple[float, float]:
-  """(global, local) RoPE bases of a T5Gemma 2 text config."""
+def _rope(m: dict, where: str) -> tuple[float, float, float | None]:
+  """(global base, local base, linear scaling factor of the global layers or None) of a
+  T5Gemma 2 text config."""
   params = m.get("rope_parameters") or {}
   out = []
   for kind, old_name, default in (("full_attention", "rope_theta", 1e6),
                                   ("sliding_attention", "rope_local_base_freq", 1e4)):
     p = params.get(kind) or {}
     rope_type = p.get("rope_type", p.get("type", "default"))
-    if rope_type != "default":
+    if rope_type not in ("default", "linear") or (
+        rope_type == "linear" and kind == "sliding_attention"):
       raise UserError(f"{where}: rope_parameters.{kind} type {rope_type!r} is not supported; "
-                      "t5forge's T5Gemma 2 has the default rotary embedding")
+                      "t5forge's T5Gemma 2 has the default rotary embedding (and linear "
+                      "scaling in full-attention layers)")
     out.append(float(p.get("rope_theta", m.get(old_name, default))))
-  return out[0], out[1]
+    if kind == "full_attention":
+      factor = float(p["factor"]) if rope_type == "linear" else None
+  return out[0], out[1], factor
 
 
 def _pattern(types: list, where: str) -> int:
@@ -118,8 +123,8 @@ def config_from_hf(hf_cfg: dict, *, source: str, generation: dict | None = None,
       if enc.get(name) != dec.get(name):
         raise UserError(f"{source}: encoder.text_config.{name} = {enc.get(name)!r} but "
                         f"decoder.{name} = {dec.get(name)!r}; t5forge needs them equal")
-    thetas = _rope_thetas(dec, f"{source} (decoder)")
-    if _rope_thetas(enc, f"{source} (encoder)") != thetas:
+    thetas = _rope(dec, f"{source} (decoder)")
+    if _rope(enc, f"{source} (encoder)") != thetas:
       raise UserError(f"{source}: encoder and decoder rope_parameters differ; t5forge needs "
                       "one pair of bases")
     if int(dec["hidden_size"]) != int(enc["hidden_size"]):
@@ -167,6 +172,7 @@ def config_from_hf(hf_cfg: dict, *, source: str, generation: dict | None = None,
         **{f"encoder_{k}": (v if v != d[k] else None) for k, v in e.items()},
         rope_theta=thetas[0],
         rope_local_theta=thetas[1],
+        rope_scaling_factor=thetas[2],
         query_pre_attn_scalar=(None if dec.get("query_pre_attn_scalar") is None
                                else float(dec["query_pre_attn_scalar"])),
         final_logit_softcapping=None if cap is None else float(cap),
@@ -203,7 +209,11 @@ def _text_module(config: ModelConfig, *, encoder: bool) -> dict:
       "max_position_embeddings": config.max_position_embeddings or 131072,
       "rms_norm_eps": config.layer_norm_epsilon,
       "rope_parameters": {
-          "full_attention": {"rope_type": "default", "rope_theta": config.rope_theta},
+          "full_attention": (
+              {"rope_type": "default", "rope_theta": config.rope_theta}
+              if config.rope_scaling_factor is None else
+              {"rope_type": "linear", "factor": config.rope_scaling_factor,
+               "rope_theta": config.rope_theta}),
           "sliding_attention": {"rope_type": "default",
                                 "rope_theta": config.rope_local_theta or config.rope_theta}},
       "attention_bias": False,

@@ -307,15 +307,19 @@ def _head_axis(axis: str, num_heads: int) -> str | None:
   return axis if num_heads % size == 0 else None
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float,
+               factor: float = 1.0) -> jax.Array:
   """Rotary position embedding of x [b, l, n, d] at int positions [b, l] or [l].
 
   The rotate-half form (dims i and i + d/2 form a pair) with frequencies
   theta**(-2i/d), as Gemma and transformers' T5Gemma. Angles are float32 whatever x's
-  dtype (transformers computes them in float32 too, even in a float64 model).
+  dtype (transformers computes them in float32 too, even in a float64 model). `factor`
+  is linear RoPE scaling (transformers' 'linear' rope type): frequencies / factor.
   """
   d = x.shape[-1]
   inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [d/2]
+  if not (isinstance(factor, (int, float)) and factor == 1.0):
+    inv_freq = inv_freq / factor
   angles = jnp.asarray(positions).astype(jnp.float32)[..., None] * inv_freq  # [(b,) l, d/2]
   angles = jnp.concatenate([angles, angles], axis=-1)
   if angles.ndim == 2:

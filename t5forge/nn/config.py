@@ -25,7 +25,7 @@ T5GEMMA_FIELDS = ("num_kv_heads", "encoder_emb_dim", "encoder_num_heads", "encod
                   "attn_logit_softcapping", "final_logit_softcapping", "sliding_window",
                   "max_position_embeddings")
 # Fields that only the T5Gemma 2 network reads.
-T5GEMMA2_FIELDS = ("rope_local_theta", "eoi_token_id")
+T5GEMMA2_FIELDS = ("rope_local_theta", "rope_scaling_factor", "eoi_token_id")
 REMAT_POLICIES = ("none", "minimal", "full")
 ACTIVATIONS = ("relu", "gelu", "gelu_exact", "silu", "linear")
 
@@ -82,6 +82,9 @@ class ModelConfig:
       only checked against sliding_window. None = no limit.
     rope_local_theta: RoPE base of the sliding-window layers (t5gemma2: 10,000, the
       global layers use rope_theta, 1,000,000); None = rope_theta.
+    rope_scaling_factor: t5gemma2: linear RoPE scaling of the global layers (HF
+      rope_parameters.full_attention {'rope_type': 'linear', 'factor': f}, as Gemma 3 4B
+      has): their frequencies divided by f. None = 1.
     eoi_token_id: t5gemma2: the token (Gemma 3's end-of-image, 256000) whose input
       embedding is the separate vector `eoi_embedding`, unscaled, instead of its row of
       the table (as transformers' T5Gemma2TextScaledWordEmbedding); None = no such token.
@@ -143,6 +146,7 @@ class ModelConfig:
   sliding_window_pattern: int = 2
   max_position_embeddings: int | None = None
   rope_local_theta: float | None = None
+  rope_scaling_factor: float | None = None
   eoi_token_id: int | None = None
   decoder_start_token_id: int = 0
 
@@ -232,6 +236,9 @@ class ModelConfig:
                       "encoder, decoder and output embeddings)")
     if self.rope_local_theta is not None and float(self.rope_local_theta) <= 0:
       problems.append(f"rope_local_theta must be positive or None, got {self.rope_local_theta}")
+    if self.rope_scaling_factor is not None and float(self.rope_scaling_factor) <= 0:
+      problems.append(f"rope_scaling_factor must be positive or None, got "
+                      f"{self.rope_scaling_factor}")
     if self.eoi_token_id is not None and not 0 <= self.eoi_token_id < self.vocab_size:
       problems.append(f"eoi_token_id {self.eoi_token_id} is outside the vocabulary "
                       f"[0, {self.vocab_size}); set it to None")

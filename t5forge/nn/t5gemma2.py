@@ -8,7 +8,8 @@ embedding scale and the decoder's start token are that module's. What differs:
 - per-head RMS norms of queries and keys (`query_norm`, `key_norm`, (1 + w) scale over
   head_dim) before RoPE;
 - two RoPE bases: sliding-window layers use `rope_local_theta` (10,000), global layers
-  `rope_theta` (1,000,000); five local layers to one global (`sliding_window_pattern` 6);
+  `rope_theta` (1,000,000), optionally linearly scaled (`rope_scaling_factor`); five
+  local layers to one global (`sliding_window_pattern` 6);
 - the decoder has no separate cross-attention: each layer's "merged" attention projects
   the encoder output with its own key/value kernels (keys key-normed, no RoPE) and its
   queries attend over [decoder keys ; encoder keys] in one softmax. Decoding therefore
@@ -74,11 +75,12 @@ class Gemma3Attention(nn.Module):
   @nn.compact
   def __call__(self, x, encoded, theta, mask_bias, deterministic: bool,
                decode: bool = False, cache_index=None, max_length: int | None = None,
-               positions=None, merged: bool = False):
+               positions=None, merged: bool = False, rope_factor=1.0):
     """x [b, t, e] attends to itself (and, merged, to encoded [b, i, e]).
 
     Args:
-      theta: the RoPE base of this layer (a float, or a traced scalar under scan).
+      theta: the RoPE base of this layer (a float, or a traced scalar under scan);
+        rope_factor its linear scaling (frequencies / factor), likewise.
       mask_bias: additive mask [b, 1, t, t (+ i)] over [own keys ; encoder keys], or
         [b, 1, t, max_length + i] when decoding.
       decode: one step over the cache; `encoded` is only read on the call that creates
@@ -112,8 +114,8 @@ class Gemma3Attention(nn.Module):
     q, k, v = heads(q, h, ax.ACT_HEADS), heads(k, n, ax.KV_HEADS), heads(v, n, ax.KV_HEADS)
     if positions is None:
       positions = jnp.arange(x.shape[1]) + (0 if cache_index is None else cache_index)
-    q = attn.apply_rope(query_norm(q), positions, theta)
-    k = attn.apply_rope(key_norm(k), positions, theta)
+    q = attn.apply_rope(query_norm(q), positions, theta, rope_factor)
+    k = attn.apply_rope(key_norm(k), positions, theta, rope_factor)
     scalar = cfg.query_pre_attn_scalar or d
     q = (q.astype(jnp.float32) * float(scalar) ** -0.5).astype(q.dtype)
 
@@ -170,10 +172,11 @@ class Layer(nn.Module):
     cfg = self.config
     local_theta = cfg.rope_local_theta or cfg.rope_theta
     theta = _pick(sliding, local_theta, cfg.rope_theta)
+    rope_factor = _pick(sliding, 1.0, cfg.rope_scaling_factor or 1.0)
     y = _norm(cfg, "pre_self_attention_layer_norm")(x)
     y = Gemma3Attention(cfg, name="merged_attention" if self.merged else "attention")(
         y, encoded, theta, _pick(sliding, local_bias, global_bias), deterministic, decode,
-        cache_index, max_length, positions, self.merged)
+        cache_index, max_length, positions, self.merged, rope_factor)
     y = _norm(cfg, "post_self_attention_layer_norm")(y)
     x = nn.with_logical_constraint(x + _dropout(cfg, y, deterministic), ACT)
     y = _mlp(cfg)(_norm(cfg, "pre_mlp_layer_norm")(x), deterministic)
