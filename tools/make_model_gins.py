@@ -32,7 +32,8 @@ EXTRA_FIELDS = ("scale_logits", "num_kv_heads", "encoder_emb_dim", "encoder_num_
                 "encoder_num_kv_heads", "encoder_head_dim", "encoder_mlp_dim", "rope_theta",
                 "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
                 "sliding_window", "sliding_window_pattern", "max_position_embeddings",
-                "rope_local_theta", "eoi_token_id", "decoder_start_token_id")
+                "rope_local_theta", "rope_scaling_factor", "eoi_token_id",
+                "decoder_start_token_id")
 
 
 def _extra_lines(cfg) -> list[str]:
