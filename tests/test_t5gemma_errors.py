@@ -398,3 +398,26 @@ def test_serve_stops_on_end_of_turn(instruct):
     assert "".join(d["choices"][0]["text"] for d in deltas) == choice["text"]
   finally:
     srv.stop()
+
+
+def test_jax_export_stops_on_end_of_turn(instruct, tmp_path):
+  """`t5forge export --format jax` of the directory: the manifest lists both stop ids, the
+  exported loop ends the row at 107 as the live model does, and its text leaves 107 out."""
+  from t5forge.serve import exported  # pylint: disable=import-outside-toplevel
+  row, at, want, enc = instruct["row"], instruct["at"], instruct["want"], instruct["enc"]
+  out = str(tmp_path / "export")
+  r = _cli("export", "--checkpoint", instruct["dir"], "--output", out, "--format", "jax",
+           "--batch_sizes", f"1,{len(enc)}", "--input_lengths", str(enc.shape[1]),
+           "--decode_lengths", str(STEPS), "--methods", "greedy")
+  assert r.returncode == 0, r.stderr[-3000:]
+  with open(os.path.join(out, "manifest.json")) as f:
+    assert json.load(f)["eos_ids"] == [EOS, END_OF_TURN]
+  gen = exported.ExportedGenerator(out)
+  assert gen.stop_ids == (EOS, END_OF_TURN)
+  res = gen.generate(exported.Kind(), enc, decode_length=STEPS,
+                     max_new_tokens=np.full(len(enc), STEPS), temperature=None, topp=None)
+  np.testing.assert_array_equal(res.tokens[:, 0], want)
+  assert res.finished[row, 0] and res.lengths[row, 0] == at + 1
+  vocab = instruct["model"].vocabulary
+  text = gen.exported.generate([instruct["lines"][row]], max_new_tokens=STEPS)[0]
+  assert text == vocab.decode([int(t) for t in want[row, :at]])

@@ -224,6 +224,9 @@ def export_jax(model, params: dict, vocab, out_dir: str, *, shapes: list[Shape],
         log(f"exported {method} b={shape.batch} i={shape.input_length} "
             f"l={shape.decode_length} in {time.perf_counter() - start:.1f}s")
     eos = int(vocab.eos_id) if vocab is not None else int(model.eos_id)
+    # Every id that ends a row (the exported loops stop on all of them: `model.stop_ids`,
+    # e.g. T5Gemma's <end_of_turn> 107 beside EOS); the loader cuts rows at any of them.
+    stops = [int(i) for i in np.reshape(model.stop_ids, -1)]
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION,
         "jax_version": jax.__version__,
@@ -234,7 +237,7 @@ def export_jax(model, params: dict, vocab, out_dir: str, *, shapes: list[Shape],
                   "num_decoder_layers": config.num_decoder_layers, "dtype": config.dtype,
                   "num_parameters": int(sum(v.size for v in flat.values()))},
         "source": source or {},
-        "eos_id": eos, "pad_id": 0,
+        "eos_id": eos, "eos_ids": list(dict.fromkeys([eos] + stops)), "pad_id": 0,
         "vocabulary": vocab_entry,
         "parameters": {"file": PARAMS_FILE,
                        "tree": {k: {"shape": list(v.shape), "dtype": str(v.dtype)}

@@ -119,6 +119,8 @@ class ExportedModel:
     self.vocabulary = (Vocabulary(os.path.join(self.path, m["vocabulary"]["file"]),
                                   m["vocabulary"]) if m.get("vocabulary") else None)
     self.eos_id = int(m["eos_id"])
+    # Ids that end a row; artifacts from before the list have EOS only.
+    self.stop_ids = tuple(int(i) for i in m.get("eos_ids", [self.eos_id]))
     self.pad_id = int(m["pad_id"])
     self.is_encoder_decoder = bool(m["model"]["is_encoder_decoder"])
     self.functions = m["functions"]
@@ -263,7 +265,16 @@ class ExportedModel:
                          topp=topp, seed=seed)
     if not texts:
       return tokens
-    return [self.vocabulary.decode(row) for row in tokens]
+    return [self.vocabulary.decode(self._text_ids(row)) for row in tokens]
+
+  def _text_ids(self, row) -> list[int]:
+    """`row` up to its first stop id: EOS kept (the vocabulary's decode ends there), another
+    stop id such as <end_of_turn> left out of the text (t5forge.decoding.text_ids' rule)."""
+    row = [int(i) for i in np.asarray(row).reshape(-1)]
+    for k, i in enumerate(row):
+      if i in self.stop_ids:
+        return row[:k + 1] if i == self.eos_id else row[:k]
+    return row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,6 +309,10 @@ class ExportedGenerator:
   def __init__(self, model: ExportedModel | str):
     self.exported = model if isinstance(model, ExportedModel) else ExportedModel(model)
     self.eos_id = self.exported.eos_id
+    # As the checkpoint's Generator: None for one id, else the tuple (the app then leaves
+    # the extra stop ids out of the text).
+    stops = self.exported.stop_ids
+    self.stop_ids = stops if len(stops) > 1 else None
     self.is_encoder_decoder = self.exported.is_encoder_decoder
     self.vocabulary = self.exported.vocabulary
 
@@ -335,7 +350,7 @@ class ExportedGenerator:
         method, inputs, decode_length=decode_length, max_new_tokens=steps,
         temperature=1.0 if temperature is None else temperature,
         topp=0.0 if topp is None else topp, seed=seed)
-    is_eos = tokens == self.eos_id
+    is_eos = np.isin(tokens, self.exported.stop_ids)
     finished = is_eos.any(axis=1)
     lengths = np.where(finished, np.argmax(is_eos, axis=1) + 1,
                        np.minimum(steps, decode_length)).astype(np.int32)
