@@ -8,7 +8,9 @@
 # (tests/test_serve_page.py drives headless chromium through selenium): when `chromium` or
 # `chromedriver` is not on PATH, the browser target installs Debian's chromium and
 # chromium-driver with apt-get (root, or sudo when not root; a few minutes, ~300 MB); when
-# both are present it does nothing.
+# both are present it does nothing.  Every target but clean also installs Debian's jemalloc
+# when it is missing and apt-get can run (the allocator target; t5forge preloads it by
+# default, see t5forge/host_memory.py), and carries on without it otherwise.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -19,7 +21,7 @@ STAMP_TEST := $(VENV)/.t5forge-installed-test
 STAMP_BENCH := $(VENV)/.t5forge-installed-bench
 PINS := pyproject.toml requirements.lock
 
-.PHONY: test test-fast demo bench venv clean browser
+.PHONY: test test-fast demo bench venv clean browser allocator
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,7 +39,7 @@ $(STAMP_BENCH): $(STAMP_BASE) $(PINS)
 	$(PY) -m pip install --quiet -c requirements.lock -e '.[bench]'
 	touch $@
 
-venv: $(STAMP_BASE)
+venv: $(STAMP_BASE) allocator
 
 # Checked on every run (phony) rather than stamped: the question is whether the programs are on
 # PATH now, whoever installed them.
@@ -48,18 +50,30 @@ browser:
 	  $(SUDO) apt-get update && \
 	  $(SUDO) apt-get install -y --no-install-recommends chromium chromium-driver; fi
 
+# The host allocator `t5forge` preloads by default (T5FORGE_MALLOC=auto, t5forge/host_memory.py):
+# Debian's jemalloc, ~1 MB. Without root, sudo or apt-get this only says so, and t5forge runs
+# on the system malloc.
+allocator:
+	@if ls /usr/lib/*/libjemalloc.so.2 >/dev/null 2>&1; then :; \
+	elif command -v apt-get >/dev/null && { [ "$$(id -u)" = 0 ] || sudo -n true 2>/dev/null; }; then \
+	  echo "installing Debian's libjemalloc2 (faster host memory)"; \
+	  { $(SUDO) apt-get update -qq && \
+	    $(SUDO) apt-get install -y -qq libjemalloc2; } || \
+	  echo "note: could not install jemalloc; t5forge will use the system malloc"; \
+	else echo "note: no apt-get or root for jemalloc; t5forge will use the system malloc"; fi
+
 # Two worker processes, each test file in one of them (module fixtures such as a server
 # are built once): much of the suite is single-threaded compiling and process start-up.
-test: $(STAMP_TEST) browser
+test: $(STAMP_TEST) browser allocator
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
-test-fast: $(STAMP_TEST) browser
+test-fast: $(STAMP_TEST) browser allocator
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
 
-demo: $(STAMP_BASE)
+demo: $(STAMP_BASE) allocator
 	$(PY) -m t5forge demo
 
-bench: $(STAMP_BENCH)
+bench: $(STAMP_BENCH) allocator
 	$(PY) -m bench
 
 clean:

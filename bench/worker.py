@@ -2,7 +2,8 @@
 
 KIND is `ours` (JAX, bench/ours.py), `hf` (torch + transformers, bench/hf_torch.py) or
 `ct2` (CTranslate2, bench/ct2.py); JAX and torch never share a process. An `ours`
-worker applies T5FORGE_MALLOC as the t5forge command line does (`t5forge.host_memory`).
+worker applies T5FORGE_MALLOC as the t5forge command line does (`t5forge.host_memory`:
+the default preloads tcmalloc or jemalloc where installed).
 
 Protocol, one JSON object per line: the driver writes `{"op": ..., "args": {...}}` on
 stdin; the worker answers `{"ok": true, "result": ...}` or `{"ok": false, "error": ...}`
@@ -68,6 +69,9 @@ class Jobs:
 
 def main(argv=None) -> None:
   kind = (argv or sys.argv[1:])[0]
+  if kind == "ours":  # before the descriptors below change: execve keeps 0, 1 and 2 only
+    from t5forge import host_memory  # pylint: disable=import-outside-toplevel
+    host_memory.reexec()
   # Keep the protocol channel private: libraries that print would corrupt it.
   proto = os.fdopen(os.dup(1), "w", buffering=1)
   os.dup2(2, 1)
@@ -79,7 +83,6 @@ def main(argv=None) -> None:
 
   if kind == "ours":
     # As the t5forge command line does, before JAX starts its threads (T5FORGE_MALLOC=keep).
-    from t5forge import host_memory  # pylint: disable=import-outside-toplevel
     host_memory.keep_freed_memory()
   try:
     backend = importlib.import_module(BACKENDS[kind]).Backend()

@@ -1,23 +1,37 @@
-"""Opt-in: keep freed host memory in the process, so that each step reuses the last one's pages.
+"""The host memory allocator: chosen by T5FORGE_MALLOC, applied by the command line first thing.
 
 XLA:CPU allocates the temporaries of every execution with `posix_memalign` and frees
 them when it ends (3.4 GB per flan-t5-small training step at batch 8, 512/114 tokens;
 10.2 GB for flan-t5-base with scan). glibc serves requests that large with a fresh `mmap`
 and returns them with `munmap`, so the next step touches new pages again: measured on a
 2-core AMD EPYC, ~920,000 page faults and ~3 s of kernel time per flan-t5-small step
-(the step took 9.7 s; with this module's setting 7.8 s and no faults after the first).
+(the step took 9.7 s; with glibc keeping freed memory 7.8 s and no faults after the first).
 
-`keep_freed_memory()` sets glibc's malloc to one arena, no `mmap` for large blocks and no
-trimming of the heap, so freed blocks stay mapped and are reused. It is off unless
-T5FORGE_MALLOC=keep, because of what it costs: XLA releases a step's temporaries a moment
-after the step's outputs are ready, so the next step's can be allocated while the last
-one's still exist. With `mmap` that overlap is brief; on a heap that never shrinks, it
-leaves the process holding up to twice the temporaries for good (measured: flan-t5-base,
-scan, AdamW grew from 14.4 GB past 19 GB in three runs of four, two of them killed for want
-of memory at 24 GB; the fourth stayed at 14.4 GB with steps 12% faster than system malloc).
-Turn it on when twice `compiled.memory_analysis().temp_size_in_bytes` plus the training
-state fits in RAM. The command line calls this first thing, before JAX's threads exist.
-On other C libraries it does nothing.
+T5FORGE_MALLOC picks what the `t5forge` command does about it:
+
+- `auto` (the default): jemalloc where it is installed (Debian: `libjemalloc2`; `make
+  venv` installs it where it can), else the system allocator. With SETTINGS below it
+  reuses freed pages and returns idle ones to the system: on a 2-core AMD EPYC
+  (flan-t5-small, batch 4, Adafactor, docs/performance.md) steps 2% slower than `keep`'s
+  and 15% shorter than the system malloc's, peak RSS 13% below the system malloc's, flat;
+  with AdamW flat between steps, but a peak 29% above the system malloc's.
+- `jemalloc` / `tcmalloc`: that library, or the system allocator with a one-line note
+  when it cannot be loaded. gperftools' tcmalloc (Debian `libtcmalloc-minimal4`) is not
+  chosen by `auto`: its steps were 57% slower than the system malloc's, 4.8 GiB peak.
+- `keep`: glibc's malloc with one arena, no `mmap` for large blocks and no trimming
+  (`keep_freed_memory`). Fast, but XLA releases a step's temporaries a moment after the
+  step's outputs are ready, so the next step's can be allocated while the last one's
+  still exist; on a heap that never shrinks that can leave the process holding twice the
+  temporaries for good (flan-t5-base, scan, AdamW grew from 14.4 GB past 19 GB in three
+  runs of four, two of them killed for want of memory at 24 GB).
+- `system`: the C library's malloc as it is.
+- a path (containing `/`): that malloc library, as for `tcmalloc`.
+
+An allocator must be in place before the process allocates anything, so `reexec()` runs
+the same command line again once, with the library in LD_PRELOAD (os.execve: same pid,
+arguments, open files and exit status). `keep` needs no restart: mallopt before JAX starts.
+Processes the command starts inherit LD_PRELOAD and the marker, so they use the same
+allocator and do not restart.
 """
 from __future__ import annotations
 
@@ -25,25 +39,186 @@ import ctypes
 import ctypes.util
 import os
 import platform
+import subprocess
+import sys
+
+ENV = "T5FORGE_MALLOC"
+CHOICES = ("auto", "tcmalloc", "jemalloc", "keep", "system")
+# Set on the re-executed process: the allocator it was started with ("system" after a
+# failed load), so that it does not restart again and can say what it runs with.
+MARKER = "T5FORGE_MALLOC_CHOSEN"
+# Sonames, first found wins (the full tcmalloc has the same allocator plus a profiler).
+LIBRARIES = {"tcmalloc": ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"),
+             "jemalloc": ("libjemalloc.so.2",)}
+AUTO_ORDER = ("jemalloc",)
+# Settings each library reads from the environment (set only where the user has not).
+SETTINGS = {
+    # gperftools prints a line with a stack trace for every allocation above 1 GiB by
+    # default; XLA's per-step temporary buffer is one such allocation.
+    "tcmalloc": {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 50)},
+    # oversize_threshold:0: blocks above 8 MiB otherwise go to an arena that returns them
+    # at once (glibc's page faults again); background_thread: idle dirty pages are
+    # returned after dirty_decay_ms even while every thread is busy in XLA.
+    "jemalloc": {"MALLOC_CONF": "background_thread:true,oversize_threshold:0,"
+                                "dirty_decay_ms:1000,muzzy_decay_ms:0"},
+}
+# Directories searched when `ldconfig -p` does not know a library.
+_LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64",
+             "/usr/lib", "/usr/local/lib")
 
 # mallopt parameters from glibc's <malloc.h>.
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 _M_ARENA_MAX = -8
 
-ENV = "T5FORGE_MALLOC"
 _applied = False
 
 
+def setting(environ=None) -> str:
+  """T5FORGE_MALLOC, lower-cased and checked; ValueError (one line) for an unknown value."""
+  value = (os.environ if environ is None else environ).get(ENV, "auto").strip() or "auto"
+  if "/" in value:  # a malloc library by path
+    return value
+  if value.lower() not in CHOICES:
+    raise ValueError(f"{ENV}={value!r}: expected one of {', '.join(CHOICES)} or the path "
+                     "of a malloc library (auto: jemalloc where installed)")
+  return value.lower()
+
+
+def _kind(path: str) -> str:
+  """'tcmalloc', 'jemalloc' or 'library' (another malloc) for a library path."""
+  base = os.path.basename(path)
+  return next((n for n, sonames in LIBRARIES.items()
+               if any(base.startswith(s.split(".so")[0]) for s in sonames)), "library")
+
+
+def find_library(name: str) -> str | None:
+  """The path of allocator `name`'s shared library, or None when it is not installed."""
+  for soname in LIBRARIES[name]:
+    for d in _LIB_DIRS:
+      path = os.path.join(d, soname)
+      if os.path.isfile(path):
+        return path
+    found = ctypes.util.find_library(soname[3:].split(".so")[0])
+    if found == soname:  # ldconfig knows it under a directory not listed above
+      return found
+  return None
+
+
+def _loads(path: str) -> str | None:
+  """None when a program starts with `path` preloaded; else the loader's complaint.
+
+  Checked in a throwaway process: loading a malloc into this one, after its own has
+  served allocations, is not safe.
+  """
+  try:
+    proc = subprocess.run([sys.executable, "-S", "-c", ""], env={"LD_PRELOAD": path},
+                          capture_output=True, text=True, timeout=60, check=False)
+  except (OSError, subprocess.SubprocessError) as e:
+    return str(e)
+  if proc.returncode != 0 or proc.stderr.strip():
+    return (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+  return None
+
+
+def plan(environ=None, find=find_library, loads=_loads) -> tuple[dict | None, str | None]:
+  """What reexec() would do: (environment to restart with or None, note or None).
+
+  None for the environment: keep this process as it is (T5FORGE_MALLOC=system or keep,
+  already restarted, not Linux, or no library could be loaded; the note says which).
+  """
+  environ = dict(os.environ if environ is None else environ)
+  choice = setting(environ)
+  if environ.get(MARKER) or choice in ("system", "keep") or platform.system() != "Linux":
+    return None, None
+  names = AUTO_ORDER if choice == "auto" else (choice,)
+  problems = []
+  for name in names:
+    path = name if "/" in name else find(name)
+    name = _kind(path) if path else name
+    if path is None:
+      problems.append(f"{name} is not installed (Debian: apt-get install "
+                      f"{'libtcmalloc-minimal4' if name == 'tcmalloc' else 'libjemalloc2'})")
+      continue
+    error = loads(path)
+    if error is not None:
+      problems.append(f"{path} cannot be loaded ({error})")
+      continue
+    env = dict(environ)
+    for key, value in SETTINGS.get(name, {}).items():
+      env.setdefault(key, value)
+    env["LD_PRELOAD"] = " ".join(p for p in (path, environ.get("LD_PRELOAD", "")) if p)
+    env[MARKER] = name
+    return env, None
+  if choice == "auto" and all("not installed" in p for p in problems):
+    return None, None  # nothing to load: the system allocator, as documented, no note
+  return None, f"t5forge: note: {ENV}={choice}: {'; '.join(problems)}; using the system allocator"
+
+
+def reexec() -> None:
+  """Restarts this command line once with the chosen allocator preloaded (see above).
+
+  Called by the command line before anything else; returns when there is nothing to do
+  (after printing plan()'s note, if any). ValueError for a bad T5FORGE_MALLOC.
+  """
+  env, note = plan()
+  if note:
+    print(note, file=sys.stderr, flush=True)
+    os.environ[MARKER] = "system"  # tell describe() and child processes
+  if env is None:
+    return
+  argv = getattr(sys, "orig_argv", None)
+  if not argv or not sys.executable:
+    return
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os.execve(sys.executable, argv, env)
+
+
+def loaded_allocator() -> str | None:
+  """'tcmalloc' or 'jemalloc' when that library is mapped into this process, else None."""
+  try:
+    with open("/proc/self/maps", encoding="utf-8") as f:
+      maps = f.read()
+  except OSError:
+    return None
+  for name, sonames in LIBRARIES.items():
+    if any(s.split(".so")[0] + ".so" in maps for s in sonames):
+      return name
+  preloaded = os.environ.get("LD_PRELOAD", "").split()
+  if os.environ.get(MARKER) == "library" and preloaded and preloaded[0] in maps:
+    return preloaded[0]
+  return None
+
+
+def describe() -> str:
+  """One line for a run's startup output: the allocator this process runs with."""
+  name = loaded_allocator()
+  if name:
+    return f"host memory: {name} ({ENV}={setting()})"
+  if _applied:
+    return f"host memory: glibc malloc keeping freed memory ({ENV}=keep)"
+  choice = setting()
+  why = ""
+  if os.environ.get(MARKER) == "system":
+    why = ": the chosen library could not be loaded"
+  elif "/" in choice:
+    why = ": not preloaded (only the t5forge command restarts itself with it)"
+  elif choice != "system":
+    names = AUTO_ORDER if choice == "auto" else (choice,)
+    why = (": not preloaded (only the t5forge command restarts itself with it)"
+           if any(find_library(n) for n in names) else
+           f": {' or '.join(names)} is not installed")
+  return f"host memory: system malloc ({ENV}={choice}{why})"
+
+
 def keep_freed_memory() -> bool:
-  """Applies the malloc settings above once; returns whether they are in effect."""
+  """With T5FORGE_MALLOC=keep, applies the glibc settings above once; returns whether
+  they are in effect. ValueError for a value not in CHOICES."""
   global _applied
   if _applied:
     return True
-  value = os.environ.get(ENV, "system").lower()
-  if value not in ("keep", "system"):
-    raise ValueError(f"{ENV}={value!r}: expected 'keep' (reuse freed memory) or 'system'")
-  if value != "keep":
+  if setting() != "keep":
     return False
   if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
     return False
@@ -52,7 +227,7 @@ def keep_freed_memory() -> bool:
   except OSError:
     return False
   # mallopt returns 1 on success. -1 as the trim threshold is SIZE_MAX: never trim.
-  ok = all(libc.mallopt(param, setting) == 1 for param, setting in (
+  ok = all(libc.mallopt(param, setting_) == 1 for param, setting_ in (
       (_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1)))
   _applied = ok
   return ok

@@ -53,4 +53,5 @@ def test_bad_malloc_setting_is_a_one_line_cli_error():
                         capture_output=True, text=True, check=False)
   assert proc.returncode == 2
   assert proc.stderr.strip().splitlines() == [
-      "t5forge: error: T5FORGE_MALLOC='kept': expected 'keep' (reuse freed memory) or 'system'"]
+      "t5forge: error: T5FORGE_MALLOC='kept': expected one of auto, tcmalloc, jemalloc, keep, "
+      "system or the path of a malloc library (auto: jemalloc where installed)"]

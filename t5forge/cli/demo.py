@@ -16,6 +16,7 @@ import sys
 import textwrap
 import time
 
+from t5forge import host_memory
 from t5forge.cli import gin_flags
 
 EXAMPLE_GIN = os.path.join(gin_flags.CONFIGS_DIR, "examples", "bible_translate_from_scratch.gin")
@@ -39,6 +40,7 @@ def main(argv: list[str]) -> int:
 
   print(f"t5forge demo: English -> Spanish on the bundled Bible task ({args.steps} steps, "
         f"model dir {model_dir})", flush=True)
+  print(host_memory.describe(), flush=True)
   started = time.time()
   gin_flags.parse([EXAMPLE_GIN], [f'MODEL_DIR="{model_dir}"', f"TRAIN_STEPS={args.steps}",
                                   f"EVAL_PERIOD={args.steps}"])

@@ -65,7 +65,7 @@ def _pop_multihost_flags(argv: list[str]) -> tuple[list[str], dict | None]:
 
 
 def main(argv: list[str] | None = None) -> None:
-  argv = list(sys.argv[1:] if argv is None else argv)
+  argv_given, argv = argv, list(sys.argv[1:] if argv is None else argv)
   if not argv or argv[0] in ("-h", "--help", "help"):
     print(_usage())
     sys.exit(0)
@@ -74,9 +74,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"t5forge: error: unknown command {name!r}; choose one of: {', '.join(COMMANDS)}",
           file=sys.stderr)
     sys.exit(2)
-  # Before JAX starts its threads: with T5FORGE_MALLOC=keep, reuse freed memory instead
-  # of page-faulting every step (see t5forge/host_memory.py for what it costs).
+  # Before JAX starts its threads: the host allocator (t5forge/host_memory.py). As the
+  # program (argv None), restart once with the chosen malloc (jemalloc) preloaded; from
+  # Python (tests call main(argv)), only T5FORGE_MALLOC=keep applies, in this process.
   try:
+    if argv_given is None:
+      host_memory.reexec()
     host_memory.keep_freed_memory()
   except ValueError as e:
     print(f"t5forge: error: {e}", file=sys.stderr)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
+from t5forge import host_memory
 from t5forge.cli import gin_flags
 from t5forge.errors import UserError
 
@@ -23,6 +24,8 @@ def main(argv: list[str]) -> int:
   if rest:
     raise UserError(f"unknown flag(s) {rest}; train takes --gin_file, --gin.NAME=VALUE, "
                     "--gin_bindings and --gin_search_paths")
+  # What this host runs with (every process of a multi-process job says its own).
+  print(host_memory.describe(), flush=True)
   gin_flags.parse(files, bindings, paths)
   import gin  # pylint: disable=import-outside-toplevel
   from t5forge.train import loop  # pylint: disable=import-outside-toplevel
