@@ -173,6 +173,50 @@ class Encoder(nn.Module):
     return _dropout(cfg, x, deterministic)
 
 
+
+def decoder_masks(module: nn.Module, cfg: ModelConfig, encoder_tokens, decoder_input_tokens,
+                  encoder_segment_ids, decoder_segment_ids, decoder_positions, decode: bool,
+                  max_decode_length: int | None):
+  """The masks of a T5Gemma-family decoder (T5Gemma's and T5Gemma 2's), built inside
+  `module`'s compact call (decoding keeps its step index and the encoder's valid positions
+  in `module`'s "cache" collection).
+
+  Returns (positions [t] or [b, t], self_mask [.., t, k] causal (and segments), local (the
+  causal sliding window combined with self_mask; None without a window), cross_mask
+  [.., t, i], starts [b, t] (positions that begin a segment), cache_index (None unless
+  decoding)); k is t, or max_decode_length when decoding.
+  """
+  length = decoder_input_tokens.shape[-1]
+  cache_index = None
+  if decode:
+    initialized = module.has_variable("cache", "index")
+    index = module.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+    encoder_valid = module.variable("cache", "encoder_valid", lambda: encoder_tokens > 0)
+    cache_index = index.value
+    positions = cache_index + jnp.arange(length)  # [t]
+    keys = jnp.arange(max_decode_length)
+    self_mask = (keys[None, :] <= positions[:, None])[None, None]  # [1, 1, t, max_len]
+    local = (None if cfg.sliding_window is None
+             else _window_mask(positions, keys, cfg.sliding_window, True))
+    cross_mask = attn.padding_mask(None, encoder_valid.value)
+    if initialized:
+      index.value = cache_index + length
+  else:
+    positions = decoder_positions if decoder_positions is not None else jnp.arange(length)
+    idx = jnp.arange(length)
+    self_mask = attn.causal_mask(length)
+    local = (None if cfg.sliding_window is None
+             else _window_mask(idx, idx, cfg.sliding_window, True))
+    cross_mask = attn.padding_mask(None, encoder_tokens > 0)
+    if decoder_segment_ids is not None:
+      self_mask = attn.combine_masks(
+          self_mask, attn.segment_mask(decoder_segment_ids, decoder_segment_ids))
+      cross_mask = attn.combine_masks(
+          cross_mask, attn.segment_mask(decoder_segment_ids, encoder_segment_ids))
+  starts = jnp.broadcast_to(positions == 0, decoder_input_tokens.shape)
+  local = attn.combine_masks(self_mask, local) if local is not None else None
+  return positions, self_mask, local, cross_mask, starts, cache_index
+
 class Decoder(nn.Module):
   config: ModelConfig
 
@@ -183,39 +227,12 @@ class Decoder(nn.Module):
     """The decoder -> float32 logits [b, t, v]; arguments as t5.Decoder's, plus
     decoder_positions [b, t] (packed rows; None: 0..t-1)."""
     cfg = self.config
-    length = decoder_input_tokens.shape[-1]
     dtype = cfg.activation_dtype
     embedder = Embed(num_embeddings=cfg.vocab_size, features=cfg.emb_dim, dtype=dtype,
                      embedding_init=EMBED_INIT, name="token_embedder")
-    cache_index = None
-    if decode:
-      initialized = self.has_variable("cache", "index")
-      index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
-      encoder_valid = self.variable("cache", "encoder_valid", lambda: encoder_tokens > 0)
-      cache_index = index.value
-      positions = cache_index + jnp.arange(length)  # [t]
-      keys = jnp.arange(max_decode_length)
-      self_mask = (keys[None, :] <= positions[:, None])[None, None]  # [1, 1, t, max_len]
-      local = (None if cfg.sliding_window is None
-               else _window_mask(positions, keys, cfg.sliding_window, True))
-      cross_mask = attn.padding_mask(None, encoder_valid.value)
-      if initialized:
-        index.value = cache_index + length
-      starts = jnp.broadcast_to(positions == 0, decoder_input_tokens.shape)
-    else:
-      positions = decoder_positions if decoder_positions is not None else jnp.arange(length)
-      idx = jnp.arange(length)
-      self_mask = attn.causal_mask(length)
-      local = (None if cfg.sliding_window is None
-               else _window_mask(idx, idx, cfg.sliding_window, True))
-      cross_mask = attn.padding_mask(None, encoder_tokens > 0)
-      if decoder_segment_ids is not None:
-        segments = attn.segment_mask(decoder_segment_ids, decoder_segment_ids)
-        self_mask = attn.combine_masks(self_mask, segments)
-        cross_mask = attn.combine_masks(
-            cross_mask, attn.segment_mask(decoder_segment_ids, encoder_segment_ids))
-      starts = jnp.broadcast_to(positions == 0, decoder_input_tokens.shape)
-    local = attn.combine_masks(self_mask, local) if local is not None else None
+    positions, self_mask, local, cross_mask, starts, cache_index = decoder_masks(
+        self, cfg, encoder_tokens, decoder_input_tokens, encoder_segment_ids,
+        decoder_segment_ids, decoder_positions, decode, max_decode_length)
     tokens = decoder_input_tokens
     if cfg.decoder_start_token_id:
       # SeqIO's decoder inputs begin each segment with 0; T5Gemma's decoder starts from BOS.

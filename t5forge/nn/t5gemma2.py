@@ -47,7 +47,7 @@ from t5forge.nn.config import ModelConfig
 from t5forge.nn.layers import Dense, Embed, Kernel, RMSNorm, param_with_axes
 from t5forge.nn.stack import layer_stack
 from t5forge.nn.t5 import ACT, _dropout, _mlp, output_logits
-from t5forge.nn.t5gemma import _norm, _pick, _window_mask
+from t5forge.nn.t5gemma import _norm, _pick, decoder_masks
 
 # transformers initialises Gemma embeddings N(0, 0.02) (`initializer_range`); with the
 # tied, unscaled output layer T5's N(0, 1) would start from logits of variance emb_dim.
@@ -243,34 +243,9 @@ class Decoder(nn.Module):
     cfg = self.config
     b, length = decoder_input_tokens.shape
     dtype = cfg.activation_dtype
-    cache_index = None
-    if decode:
-      initialized = self.has_variable("cache", "index")
-      index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
-      encoder_valid = self.variable("cache", "encoder_valid", lambda: encoder_tokens > 0)
-      cache_index = index.value
-      positions = cache_index + jnp.arange(length)  # [t]
-      keys = jnp.arange(max_decode_length)
-      self_mask = (keys[None, :] <= positions[:, None])[None, None]  # [1, 1, t, max_len]
-      local = (None if cfg.sliding_window is None
-               else _window_mask(positions, keys, cfg.sliding_window, True))
-      cross_mask = attn.padding_mask(None, encoder_valid.value)
-      if initialized:
-        index.value = cache_index + length
-    else:
-      positions = decoder_positions if decoder_positions is not None else jnp.arange(length)
-      idx = jnp.arange(length)
-      self_mask = attn.causal_mask(length)
-      local = (None if cfg.sliding_window is None
-               else _window_mask(idx, idx, cfg.sliding_window, True))
-      cross_mask = attn.padding_mask(None, encoder_tokens > 0)
-      if decoder_segment_ids is not None:
-        self_mask = attn.combine_masks(
-            self_mask, attn.segment_mask(decoder_segment_ids, decoder_segment_ids))
-        cross_mask = attn.combine_masks(
-            cross_mask, attn.segment_mask(decoder_segment_ids, encoder_segment_ids))
-    starts = jnp.broadcast_to(positions == 0, decoder_input_tokens.shape)
-    local = attn.combine_masks(self_mask, local) if local is not None else None
+    positions, self_mask, local, cross_mask, starts, cache_index = decoder_masks(
+        self, cfg, encoder_tokens, decoder_input_tokens, encoder_segment_ids,
+        decoder_segment_ids, decoder_positions, decode, max_decode_length)
     merged = _broadcast_concat(self_mask, cross_mask, (b, length))
     merged_local = None if local is None else _broadcast_concat(local, cross_mask, (b, length))
     tokens = decoder_input_tokens
