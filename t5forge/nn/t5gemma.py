@@ -217,6 +217,18 @@ def decoder_masks(module: nn.Module, cfg: ModelConfig, encoder_tokens, decoder_i
   local = attn.combine_masks(self_mask, local) if local is not None else None
   return positions, self_mask, local, cross_mask, starts, cache_index
 
+
+def decoder_head(cfg: ModelConfig, y, embedder, deterministic: bool):
+  """The decoder's last norm, dropout and output layer with the final-logit soft-cap, for
+  T5Gemma and T5Gemma 2 (call inside the decoder's compact call: the norm's name is
+  `decoder_norm`). y [b, t, e] -> float32 logits [b, t, v]."""
+  y = _dropout(cfg, _norm(cfg, "decoder_norm")(y), deterministic)
+  logits = output_logits(cfg, y, embedder)
+  if cfg.final_logit_softcapping is not None:
+    cap = cfg.final_logit_softcapping
+    logits = jnp.tanh(logits / cap) * cap
+  return logits
+
 class Decoder(nn.Module):
   config: ModelConfig
 
@@ -245,12 +257,7 @@ class Decoder(nn.Module):
                     args=(encoded, positions, attn.mask_to_bias(self_mask, dtype),
                           attn.mask_to_bias(local, dtype), attn.mask_to_bias(cross_mask, dtype),
                           deterministic, decode, cache_index, max_decode_length))
-    y = _dropout(cfg, _norm(cfg, "decoder_norm")(y), deterministic)
-    logits = output_logits(cfg, y, embedder)
-    if cfg.final_logit_softcapping is not None:
-      cap = cfg.final_logit_softcapping
-      logits = jnp.tanh(logits / cap) * cap
-    return logits
+    return decoder_head(cfg, y, embedder, deterministic)
 
 
 class T5GemmaEncoderDecoder(nn.Module):

@@ -46,8 +46,8 @@ from t5forge.nn import matmul
 from t5forge.nn.config import ModelConfig
 from t5forge.nn.layers import Dense, Embed, Kernel, RMSNorm, param_with_axes
 from t5forge.nn.stack import layer_stack
-from t5forge.nn.t5 import ACT, _dropout, _mlp, output_logits
-from t5forge.nn.t5gemma import _norm, _pick, decoder_masks
+from t5forge.nn.t5 import ACT, _dropout, _mlp
+from t5forge.nn.t5gemma import _norm, _pick, decoder_head, decoder_masks
 
 # transformers initialises Gemma embeddings N(0, 0.02) (`initializer_range`); with the
 # tied, unscaled output layer T5's N(0, 1) would start from logits of variance emb_dim.
@@ -260,12 +260,7 @@ class Decoder(nn.Module):
                     args=(encoded, positions, attn.mask_to_bias(merged, dtype),
                           attn.mask_to_bias(merged_local, dtype), deterministic, decode,
                           cache_index, max_decode_length))
-    y = _dropout(cfg, _norm(cfg, "decoder_norm")(y), deterministic)
-    logits = output_logits(cfg, y, self.embedder)
-    if cfg.final_logit_softcapping is not None:
-      cap = cfg.final_logit_softcapping
-      logits = jnp.tanh(logits / cap) * cap
-    return logits
+    return decoder_head(cfg, y, self.embedder, deterministic)
 
 
 class T5Gemma2EncoderDecoder(nn.Module):
