@@ -120,9 +120,19 @@ def test_bad_input(model_dir, tmp_path):
 
 def test_shortened_demo_runs(tmp_path):
   r = _cli("demo", "--model_dir", str(tmp_path / "demo"), "--steps", "4", "--eval_examples", "8",
-           "--show", "2")
+           "--show", "2", "--eval_period", "2")
   assert r.returncode == 0, r.stderr[-3000:]
   out = r.stdout
+  # The held-out (John) loss as it trains, and the precision chosen for this machine,
+  # which config.gin records.
+  held = [l for l in out.splitlines() if l.startswith("held-out at step ")]
+  assert [l.split(":")[0] for l in held] == ["held-out at step 2", "held-out at step 4"], out
+  assert all("bible_translate_en_es loss per target token " in l for l in held)
+  line = next(l for l in out.splitlines() if l.startswith("precision: "))
+  dtype = "bfloat16" if line.startswith("precision: bfloat16") else "float32"
+  assert "(auto: " in line
+  config = (tmp_path / "demo" / "config.gin").read_text().splitlines()
+  assert f"network.ModelConfig.dtype = '{dtype}'" in config
   assert "Held-out Gospel of John: BLEU" in out and "REF" in out and "OUT" in out
   assert "checkpoints:" in out and "TensorBoard:" in out
   assert (tmp_path / "demo" / "inference_eval" / "bible_translate_en_es-4.jsonl").exists()

@@ -20,6 +20,9 @@ DROPOUT_RATE = 0.0
 EVAL_PERIOD = {eval_period}
 EVAL_STEPS = 2
 network.ModelConfig.vocab_size = 8000
+# float32 whatever the CPU: these runs compare layouts and resumes bit for bit or at float32
+# tolerances (the machine's automatic choice: tests/test_precision.py).
+network.ModelConfig.dtype = 'float32'
 utils.SaveCheckpointConfig.period = {period}
 train_script.train.stats_period = {stats_period}
 train_script.train.record_batch_fingerprints = True

@@ -3,13 +3,15 @@
 T5X's train.py interface: gin files (a run gin such as runs/finetune.gin plus a model
 gin such as models/t5_1_1/small.gin, or an example gin), macro bindings with
 --gin.NAME=VALUE, and the T5X flags for several processes (see `t5forge/multihost.py`).
+A run whose gin files and flags set no network.ModelConfig.dtype gets bfloat16 mixed
+precision where the CPU has bf16 instructions, else float32 (printed; `t5forge/precision.py`).
 """
 from __future__ import annotations
 
 import os
 import sys
 
-from t5forge import host_memory
+from t5forge import host_memory, precision
 from t5forge.cli import gin_flags
 from t5forge.errors import UserError
 
@@ -27,6 +29,7 @@ def main(argv: list[str]) -> int:
   # What this host runs with (every process of a multi-process job says its own).
   print(host_memory.describe(), flush=True)
   gin_flags.parse(files, bindings, paths)
+  show_precision(precision.apply_auto())
   import gin  # pylint: disable=import-outside-toplevel
   from t5forge.train import loop  # pylint: disable=import-outside-toplevel
   result = gin_flags.call(loop.train, operative_config=gin.config_str(),
@@ -45,6 +48,16 @@ def main(argv: list[str]) -> int:
     print(f"  checkpoints, config.gin, model-info.txt, metrics.jsonl: {model_dir}")
     print(f"  TensorBoard: tensorboard --logdir {model_dir}")
   return 0
+
+
+def show_precision(choice: precision.Choice) -> None:
+  """Prints the run's precision line (and its note, if the choice is slow here) on the
+  process that reports for the job; `t5forge demo` prints it the same way."""
+  import jax  # pylint: disable=import-outside-toplevel
+  if jax.process_index() == 0:
+    print(choice.line, flush=True)
+    if choice.note:
+      print(choice.note, file=sys.stderr, flush=True)
 
 
 def _has_macro(name: str) -> bool:

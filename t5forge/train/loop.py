@@ -175,6 +175,7 @@ def _loop(run: "_Run", *, eval_period, stats_period, stopper, run_eval_before_tr
   last_train, last_eval, stopped, pending_ok = {}, {}, "total_steps", None
   if run_eval_before_training:
     last_eval = run.evaluate(step)
+    _show_eval(progress, step, last_eval)
   t_first = time.time()
   with _Preemption() as preemption, run.partitioner.activation_context():
     while step < total:
@@ -200,6 +201,7 @@ def _loop(run: "_Run", *, eval_period, stats_period, stopper, run_eval_before_tr
       if eval_now:
         _check_finite(pending_ok, step, run.checkpointer)
         last_eval = run.evaluate(step)
+        _show_eval(progress, step, last_eval)
         stopped = "early_stopping" if stopper.update(last_eval) else stopped
       stopped = "preempted" if preemption.requested else stopped
       if run.checkpointer.should_save(step, total) or stopped != "total_steps":
@@ -397,6 +399,17 @@ class _Run:
     for resource in (self.checkpointer, self.writer, self.train_iter, self.fingerprints):
       if resource is not None:
         resource.close()
+
+
+def _show_eval(progress: metrics_lib.Progress, step: int, scalars: dict[str, float]) -> None:
+  """One line per train-eval task: the held-out teacher-forced loss as training goes."""
+  prefix, key = "training_eval/", "/loss_per_nonpadding_target_token"
+  for name, loss in scalars.items():
+    if name.startswith(prefix) and name.endswith(key):
+      task = name[len(prefix):-len(key)]
+      acc = scalars.get(f"{prefix}{task}/accuracy", float("nan"))
+      progress.write(f"held-out at step {step}: {task} loss per target token {loss:.3f}, "
+                     f"accuracy {acc:.3f} (teacher-forced)")
 
 
 def _crc(batch: dict) -> int:
