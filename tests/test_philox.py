@@ -65,3 +65,44 @@ def test_mask_of_any_rank():
   for shape in [(1000,), (7, 9), (2, 3, 5, 7, 11)]:
     m = _mask(3, shape, 0.25)
     assert m.shape == shape and 0.6 < m.mean() < 0.9
+
+
+def _numpy_keep_mask(seed, shape, rate) -> np.ndarray:
+  """The documented counter assignment in numpy (uint64 products): counter = (row-major
+  index within the last two axes, seed[1] + row-major index over the leading axes)."""
+  seed = np.asarray(seed).astype(np.uint64)
+  mask32 = np.uint64(2 ** 32 - 1)
+  inner = int(np.prod(shape[-2:]))
+  flat = np.arange(int(np.prod(shape)), dtype=np.uint64)
+  c0, c1 = flat % np.uint64(inner), (flat // np.uint64(inner) + seed[1]) & mask32
+  k = seed[0]
+  for _ in range(philox.ROUNDS):
+    prod = c0 * np.uint64(philox._MULTIPLIER)
+    c0, c1 = ((prod >> np.uint64(32)) ^ k ^ c1) & mask32, prod & mask32
+    k = (k + np.uint64(philox._KEY_INCREMENT)) & mask32
+  return (c0 < np.uint64(philox.keep_threshold(rate))).reshape(shape)
+
+
+@pytest.mark.parametrize("shape", [(1000,), (7, 9), (3, 5, 7), (2, 3, 5, 7, 11)])
+def test_mask_follows_the_documented_counters(shape):
+  seed = philox.seed_words(jax.random.key(5))
+  got = np.asarray(jax.jit(philox.keep_mask, static_argnums=(1, 2))(seed, shape, 0.3))
+  np.testing.assert_array_equal(got, _numpy_keep_mask(seed, shape, 0.3))
+
+
+def test_scanned_masks_hoist_no_mask_sized_arrays():
+  """Inside a scan (over layers) XLA hoists loop-invariant work out of the loop; the
+  mask's index arithmetic must not become full-size [b, h, q, k] arrays that every
+  iteration reads back (what made a scanned training step slower than a loop)."""
+  shape = (2, 3, 64, 128)
+
+  def body(total, seed):
+    keep = philox.keep_mask(seed, shape, 0.1)
+    return total + jnp.where(keep, 1.0, 0.0).sum(), None
+
+  seeds = jax.random.bits(jax.random.key(0), (4, 2), jnp.uint32)
+  hlo = jax.jit(lambda s: jax.lax.scan(body, 0.0, s)[0]).lower(seeds).compile().as_text()
+  loops = [line.split(" while(")[0] for line in hlo.splitlines() if " while(" in line]
+  assert loops, "no while loop in the compiled scan"
+  carried = "u32[" + ",".join(map(str, shape)) + "]"
+  assert not any(carried in line for line in loops), loops

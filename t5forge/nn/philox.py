@@ -80,18 +80,25 @@ def keep_mask(seed: jax.Array, shape: tuple[int, ...], rate: float) -> jax.Array
   inner, outer = math.prod(inner_shape), math.prod(outer_shape)
   if inner > 2 ** 32 or outer > 2 ** 32:
     raise ValueError(f"dropout mask {shape} too large for 32-bit Philox counters")
-  # Row-major index within the last two axes and over the leading ones, as uint32 iotas
-  # broadcast to the full shape (no [prod(shape)] reshape, which XLA would copy).
+  # Row-major index within the last two axes ([1, .., m, n]) and over the leading ones
+  # ([b, .., 1, 1]) as uint32 iotas of those shapes, which broadcast against each other
+  # in the first Philox round (no [prod(shape)] reshape, which XLA would copy). Not
+  # full-shape iotas: inside a scan over layers, XLA hoists every loop-invariant
+  # expression out of the loop, and the first round's products of the full-shape
+  # index became three [b, h, q, k] uint32 arrays that every layer's mask fusion
+  # read from memory (3 x 50 MB per flan-t5-small encoder mask); at these shapes
+  # what is hoisted is 1 MB.
   ndim = len(shape)
 
   def flat_index(axes: range) -> jax.Array:
+    sub_shape = tuple(n if axis in axes else 1 for axis, n in enumerate(shape))
     index = jnp.zeros((), jnp.uint32)
     for axis in axes:
-      iota = lax.broadcasted_iota(jnp.uint32, shape, axis)
+      iota = lax.broadcasted_iota(jnp.uint32, sub_shape, axis)
       index = index * jnp.uint32(shape[axis]) + iota
-    return jnp.broadcast_to(index, shape)
+    return index
 
   counter0 = flat_index(range(max(ndim - 2, 0), ndim))
   counter1 = flat_index(range(0, max(ndim - 2, 0))) + seed[1].astype(jnp.uint32)
   word, _ = philox2x32(counter0, counter1, seed[0])
-  return word < jnp.uint32(keep_threshold(rate))
+  return jnp.broadcast_to(word, shape) < jnp.uint32(keep_threshold(rate))
