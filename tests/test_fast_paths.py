@@ -90,6 +90,41 @@ def test_bfloat16_projection_gradient_equals_autodiff(i, o):
     assert np.abs(g - w).max() / np.abs(w).max() < 1e-2
 
 
+@pytest.mark.parametrize("shape", [(24, 128), (24, 40), (200, 64)])
+def test_bfloat16_transpose_is_exact(shape):
+  """The identity-product transpose (per 64-column block, or whole when the width is
+  not a multiple of 64) gives a.T bit for bit."""
+  a = jnp.asarray(RNG.normal(size=shape), jnp.bfloat16)
+  got = jax.jit(matmul._transposed)(a)
+  assert got.dtype == jnp.bfloat16 and got.shape == shape[::-1]
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(a.T, np.float32))
+
+
+@pytest.mark.parametrize("i, o", [(128, 40), (40, 128)])
+def test_bfloat16_projection_of_float32_kernel_gives_float32_gradient(i, o):
+  """A float32 kernel with bfloat16 activations (what every layer passes): the kernel is
+  rounded to bf16 for the product, and its gradient comes back in float32, accumulated in
+  float32 from the bf16 operands, not rounded to bf16. With an output gradient that bf16
+  represents exactly, the kernel gradient equals the float32 one up to float32 summation
+  order (a gradient rounded to bf16 would be off by up to 2^-9 of each entry); the input
+  gradient is bf16 (x's dtype)."""
+  x = jnp.asarray(RNG.normal(size=(3, 24, i)), jnp.bfloat16)
+  k = jnp.asarray(RNG.normal(size=(i, o)), jnp.float32)
+  cot = jnp.asarray(RNG.normal(size=(3, 24, o)), jnp.bfloat16).astype(jnp.float32)
+  # The reference: float32 arithmetic on the rounded operands (x32, k32 are leaves, so no
+  # gradient passes through a rounding).
+  x32, k32 = x.astype(jnp.float32), k.astype(jnp.bfloat16).astype(jnp.float32)
+  ref = lambda x, k: jnp.einsum("bni,io->bno", x, k)  # noqa: E731
+  loss = lambda fn: lambda x, k: jnp.sum(fn(x, k) * cot)  # noqa: E731
+  np.testing.assert_allclose(matmul.dense(x, k), ref(x32, k32), rtol=1e-5, atol=1e-5)
+  gx, gk = jax.jit(jax.grad(loss(matmul.dense), argnums=(0, 1)))(x, k)
+  wx, wk = jax.grad(loss(ref), argnums=(0, 1))(x32, k32)
+  assert gx.dtype == jnp.bfloat16 and gk.dtype == jnp.float32
+  np.testing.assert_allclose(gk, wk, rtol=1e-5, atol=1e-5 * np.abs(wk).max())
+  gx, wx = np.asarray(gx, np.float32), np.asarray(wx, np.float32)
+  assert np.abs(gx - wx).max() / np.abs(wx).max() < 1e-2
+
+
 def test_relative_bias_lookup_gradient_equals_gather_gradient():
   table = jnp.asarray(RNG.normal(size=(4, 32)), jnp.float32)
   buckets = jnp.asarray(RNG.integers(0, 32, size=(9, 11)), jnp.int32)

@@ -215,8 +215,9 @@ class MultiHeadAttention(nn.Module):
     query_init = (kernel_init if self.query_scale is not None
                   else lambda *a: kernel_init(*a) / math.sqrt(d))  # noqa: E731
     fused_qkv = decode is None and inputs_kv is inputs_q
+    # float32 kernels: `matmul.dense` rounds them to the compute dtype (see layers.Dense).
     kernel = lambda name, init, x, width, axis: Kernel(  # noqa: E731
-        width, (ax.EMBED, axis), kernel_init=init, name=name)(x.shape[-1]).astype(self.dtype)
+        width, (ax.EMBED, axis), kernel_init=init, name=name)(x.shape[-1])
     heads = lambda y, x, num, axis: nn.with_logical_constraint(  # noqa: E731
         y.astype(self.dtype).reshape(*x.shape[:-1], num, d),
         (ax.BATCH, ax.LENGTH, _head_axis(axis, num), ax.ACT_KV))

@@ -116,8 +116,9 @@ class Dense(nn.Module):
     # x: [..., in] -> [..., out]
     kernel = param_with_axes(self, "kernel", self.kernel_init, (x.shape[-1], self.features),
                              self.kernel_axes)
-    return matmul.dense(x.astype(self.dtype), kernel.astype(self.dtype),
-                        out_dtype=self.out_dtype)
+    # The float32 kernel is rounded to the compute dtype inside `matmul.dense`, whose
+    # backward pass returns its gradient in float32 (not rounded to bfloat16).
+    return matmul.dense(x.astype(self.dtype), kernel, out_dtype=self.out_dtype)
 
 
 class Kernel(nn.Module):
@@ -151,7 +152,7 @@ class MlpBlock(nn.Module):
     # The gated branches share their input: one matmul on the concatenated kernels.
     kernels = [Kernel(self.intermediate_dim, (ax.EMBED, ax.MLP), name=n)(x.shape[-1])
                for n in names]
-    hs = matmul.dense_multi(x.astype(self.dtype), [k.astype(self.dtype) for k in kernels])
+    hs = matmul.dense_multi(x.astype(self.dtype), kernels)  # float32 kernels (see Dense)
     for act, h in zip(self.activations, hs):
       branches.append(activation(act)(h))  # [b, l, f]
     h = branches[0]

@@ -5,9 +5,9 @@ backward pass. Autodiff asks for the kernel gradient as x^T @ dy, a dot that con
 the leading (token) axis of both operands. XLA:CPU's fast matmul library (YNNPACK)
 takes a transposed right-hand side but not a transposed left-hand side, so XLA either
 falls back to a slower kernel or copies the largest operand (often the [tokens, vocab]
-logits gradient) into transposed layout. Here the smaller of x and dy is transposed
-explicitly (see `_transposed` for how, in bfloat16), and every dot is a plain
-[m, k] x [k, n] or [m, k] x [n, k] product.
+logits gradient) into transposed layout. Here x is transposed explicitly in bfloat16
+(see `_transposed` for how; in float32 the smaller of x and dy, by XLA), and every dot
+is a plain [m, k] x [k, n] or [m, k] x [n, k] product.
 
 `dense_multi(x, kernels)` applies several kernels to one input (query/key/value, the
 two gated MLP branches) as one matmul on the concatenated kernels: one large product
@@ -19,7 +19,10 @@ The results equal those of `jnp.dot` up to float32 rounding (accumulation order)
 bfloat16 operands are multiplied with float32 accumulation and a float32 result
 (`preferred_element_type`), which is also the form XLA:CPU hands to its AMX bf16 kernels:
 on this class of CPU about 1,200-1,600 GFLOP/s against ~250 for a bf16 dot with a bf16
-result and ~300 for float32. The result is then rounded to the requested dtype.
+result and ~300 for float32. The result is then rounded to the requested dtype. The
+kernel may be float32 (the parameter itself): it is rounded to x's dtype inside, and its
+gradient is the float32 product, not rounded to bfloat16 and converted back (one
+conversion pass less per kernel, and a float32 gradient as under torch autocast).
 
 Shape letters (local to this module, see docs/shapes.md): n tokens (all leading axes
 flattened), i input features, o output features.
@@ -39,6 +42,8 @@ from t5forge.nn import quant
 FUSE_MIN_ROWS = 256
 # bfloat16 products with fewer rows are padded to this many (see `dense`).
 BF16_MIN_ROWS = 8
+# Column block of the identity products that transpose bfloat16 operands (`_transposed`).
+TRANSPOSE_BLOCK = 64
 
 
 def accumulation_dtype(dtype) -> jnp.dtype | None:
@@ -59,32 +64,43 @@ def _transposed(a: jax.Array) -> jax.Array:
   XLA folds a plain transpose into the consuming dot, which then contracts the leading
   axis of its left operand; XLA:CPU has no bf16 kernel for that form and converts both
   operands to float32 (flan-t5-small's [4096, 512]^T x [4096, 2048]: 54 ms against
-  13 ms for the same product on a transposed copy). Neither an optimization barrier
-  nor an elementwise op in between survives XLA's simplifier, but a product with the
-  identity does: eye [n, n] x a^T is a supported bf16 dot, exact (each output is one
-  bf16 value times 1 summed with zeros), and costs 2 m n^2 fast FLOPs (~3 ms for the
-  example). In float32 XLA's own handling of the transposed operand is as fast as a
-  copy, so the transpose is left to it.
+  13 ms for the same product on a transposed copy on the Intel Xeon; 275 against 136 ms
+  on the AMD EPYC Zen 4, busy). Neither an optimization barrier (XLA then copies the
+  transpose but still multiplies in float32) nor an elementwise op, a bitcast or a
+  float32 source in between survives XLA's simplifier, but a product with the identity
+  does: exact (each output is one bf16 value times 1 summed with zeros). It is taken per
+  block of TRANSPOSE_BLOCK columns, eye [b, b] x a [m, c, b] batched over the c = n / b
+  blocks: 2 m n b FLOPs instead of the 2 m n^2 of one [n, n] identity (which cost 36 ms of
+  the example above on the AMD EPYC, the blocks ~4 ms); XLA lays the blocks out
+  batch-first with a plain copy. In float32 XLA's own handling of the transposed operand
+  is as fast as a copy, so the transpose is left to it.
   """
   if a.dtype != jnp.bfloat16:
     return a.T
-  eye = jnp.eye(a.shape[1], dtype=a.dtype)
-  return _dot(eye, a, 1, 1).astype(a.dtype)  # [n, n] x [m, n] -> [n, m]
+  m, n = a.shape
+  b = TRANSPOSE_BLOCK if n % TRANSPOSE_BLOCK == 0 else n
+  eye = jnp.broadcast_to(jnp.eye(b, dtype=a.dtype), (n // b, b, b))
+  out = lax.dot_general(eye, a.reshape(m, n // b, b), (((2,), (2,)), ((0,), (1,))),
+                        preferred_element_type=jnp.float32)  # [c, b, m]
+  return out.astype(a.dtype).reshape(n, m)
 
 
 def _kernel_grad(x2: jax.Array, dy2: jax.Array) -> jax.Array:
-  """x2^T @ dy2 for x2 [n, i], dy2 [n, o] -> [i, o], transposing the smaller operand."""
-  if x2.shape[1] <= dy2.shape[1]:
+  """x2^T @ dy2 for x2 [n, i], dy2 [n, o] -> [i, o] (float32 for bfloat16 operands).
+
+  bfloat16: x2 is transposed explicitly (`_transposed`, whose cost is linear in its
+  size), and the float32 product is the gradient, without a transpose after it that
+  would have to be taken in bf16 (rounding the gradient). float32: XLA takes the
+  transposes (with the smaller operand transposed, as before the bf16 path changed)."""
+  if x2.dtype == jnp.bfloat16 or x2.shape[1] <= dy2.shape[1]:
     return _dot(_transposed(x2), dy2, 1, 0)  # [i, n] x [n, o]
-  # ([o, n] x [n, i])^T. The final transpose is explicit too: XLA would otherwise fold
-  # it into the dot as a transposed-operand form that XLA:CPU cannot run in bf16. The
-  # bf16 rounding is that of the returned gradient (the kernel's dtype) anyway.
-  return _transposed(_dot(_transposed(dy2), x2, 1, 0).astype(x2.dtype))
+  return _dot(dy2.T, x2, 1, 0).T  # ([o, n] x [n, i])^T
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _dense2d(x2: jax.Array, kernel: jax.Array, out_dtype) -> jax.Array:
-  return _dot(x2, kernel, 1, 0).astype(out_dtype)  # [n, i] x [i, o] -> [n, o]
+  # [n, i] x [i, o] -> [n, o], the kernel rounded to x's dtype
+  return _dot(x2, kernel.astype(x2.dtype), 1, 0).astype(out_dtype)
 
 
 def _dense2d_fwd(x2, kernel, out_dtype):
@@ -94,7 +110,7 @@ def _dense2d_fwd(x2, kernel, out_dtype):
 def _dense2d_bwd(out_dtype, res, dy2):
   x2, kernel = res
   dy2 = dy2.astype(x2.dtype)  # a float32 output (logits) still multiplies in x's dtype
-  dx2 = _dot(dy2, kernel, 1, 1)  # [n, o] x [i, o] -> [n, i]
+  dx2 = _dot(dy2, kernel.astype(x2.dtype), 1, 1)  # [n, o] x [i, o] -> [n, i]
   return dx2.astype(x2.dtype), _kernel_grad(x2, dy2).astype(kernel.dtype)
 
 
@@ -102,7 +118,9 @@ _dense2d.defvjp(_dense2d_fwd, _dense2d_bwd)
 
 
 def dense(x: jax.Array, kernel: jax.Array | quant.QArray, out_dtype=None) -> jax.Array:
-  """x [..., i] @ kernel [i, o] -> [..., o] (operands already in the compute dtype).
+  """x [..., i] @ kernel [i, o] -> [..., o], in x's dtype (the compute dtype); a kernel
+  in another float dtype (a float32 parameter) is rounded to it, and its gradient comes
+  back in the kernel's dtype.
 
   The result is in `out_dtype`, by default the accumulation dtype: float32 for bfloat16
   operands (XLA:CPU emulates bfloat16 elementwise arithmetic with a conversion around

@@ -98,7 +98,7 @@ class Gemma3Attention(nn.Module):
     kq = Kernel(h * d, (ax.EMBED, ax.JOINED_KV), kernel_init=init, name="query")(width)
     kk = Kernel(n * d, (ax.EMBED, ax.KV_HEADS), kernel_init=init, name="key")(width)
     kv = Kernel(n * d, (ax.EMBED, ax.KV_HEADS), kernel_init=init, name="value")(width)
-    kq, kk, kv = (k.astype(dtype) for k in (kq, kk, kv))
+    # float32 kernels: `matmul.dense` rounds them to the compute dtype (see layers.Dense).
     query_norm = RMSNorm(epsilon=cfg.layer_norm_epsilon, dtype=dtype, plus_one=True,
                          axis=ax.KV, name="query_norm")
     key_norm = RMSNorm(epsilon=cfg.layer_norm_epsilon, dtype=dtype, plus_one=True,
