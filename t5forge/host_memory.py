@@ -12,9 +12,10 @@ T5FORGE_MALLOC picks what the `t5forge` command does about it:
 - `auto` (the default): jemalloc where it is installed (Debian: `libjemalloc2`; `make
   venv` installs it where it can), else the system allocator. With SETTINGS below it
   reuses freed pages and returns idle ones to the system: on a 2-core AMD EPYC
-  (flan-t5-small, batch 4, Adafactor, docs/performance.md) steps 2% slower than `keep`'s
-  and 15% shorter than the system malloc's, peak RSS 13% below the system malloc's, flat;
-  with AdamW flat between steps, but a peak 29% above the system malloc's.
+  (flan-t5-small, batch 4, docs/performance.md) with Adafactor steps 2% slower than
+  `keep`'s and 15% shorter than the system malloc's, peak RSS 13% below the system
+  malloc's, flat; with AdamW over 50 steps peak RSS 9% below the system malloc's (scan:
+  5%), flat (with an arena per thread, before `narenas:1`, the peak was 29% above).
 - `jemalloc` / `tcmalloc`: that library, or the system allocator with a one-line note
   when it cannot be loaded. gperftools' tcmalloc (Debian `libtcmalloc-minimal4`) is not
   chosen by `auto`: its steps were 57% slower than the system malloc's, 4.8 GiB peak.
@@ -56,10 +57,16 @@ SETTINGS = {
     # gperftools prints a line with a stack trace for every allocation above 1 GiB by
     # default; XLA's per-step temporary buffer is one such allocation.
     "tcmalloc": {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 50)},
+    # narenas:1: XLA allocates a step's temporaries (one block of 1.8 GB for flan-t5-small
+    # AdamW at batch 4) on whichever of its threads starts the step, and a freed block's
+    # pages stay in the arena it came from: with jemalloc's arena per thread the next
+    # step, on another thread, could not reuse them and touched a second block while the
+    # first waited out dirty_decay_ms (peak 1.29x the system malloc's). One arena costs
+    # little: small blocks come from per-thread caches (step times: docs/performance.md).
     # oversize_threshold:0: blocks above 8 MiB otherwise go to an arena that returns them
     # at once (glibc's page faults again); background_thread: idle dirty pages are
     # returned after dirty_decay_ms even while every thread is busy in XLA.
-    "jemalloc": {"MALLOC_CONF": "background_thread:true,oversize_threshold:0,"
+    "jemalloc": {"MALLOC_CONF": "narenas:1,background_thread:true,oversize_threshold:0,"
                                 "dirty_decay_ms:1000,muzzy_decay_ms:0"},
 }
 # Directories searched when `ldconfig -p` does not know a library.
