@@ -214,6 +214,31 @@ def test_fast_training_modes_give_the_reference_gradient(hf_dirs):
       assert err < tol, (overrides, name, err)
 
 
+def test_scanned_stack_recomputes_to_the_same_gradient_with_dropout(hf_dirs, monkeypatch):
+  """A scan without remat keeps only the expensive intermediates (`stack.scan_saveable`)
+  and recomputes the rest in the backward pass, dropout masks included: the gradient
+  equals that of the scan keeping everything."""
+  from t5forge.nn import stack  # pylint: disable=import-outside-toplevel
+  config, params = load_hf(hf_dirs("flan"))
+  config = config.replace(scan_layers=True, dropout_rate=0.3)
+  params = stack.stack_layers(params)
+  enc, dec = random_batch(config.vocab_size, batch=2, enc_len=20, dec_len=12)
+  batch = {"encoder_input_tokens": enc, "decoder_input_tokens": dec,
+           "decoder_target_tokens": np.roll(dec, -1, axis=1),
+           "decoder_loss_weights": np.ones(dec.shape, np.float32)}
+  model = EncoderDecoderModel(config)
+
+  def grads():
+    loss = lambda p: model.loss_fn(p, batch, jax.random.key(7))[0]
+    return jax.tree.leaves(jax.jit(jax.grad(loss))(params))
+
+  got = grads()
+  monkeypatch.setattr(stack, "scan_saveable", jax.checkpoint_policies.everything_saveable)
+  want = grads()
+  for g, w in zip(got, want):  # recomputed in other XLA fusions: float32 rounding only
+    assert np.abs(g - w).max() / (np.abs(w).max() + 1e-12) < 1e-5
+
+
 def test_int8_weights_stay_close_to_float_and_to_transformers(hf_dirs):
   """int8 weight-only kernels (per-channel weights, per-token activations): logits within
   a few percent of HF's float logits, and greedy decoding mostly the same tokens."""
