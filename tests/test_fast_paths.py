@@ -10,7 +10,7 @@ from hf_reference import random_batch
 from t5forge import losses
 from t5forge.convert.hf import load_hf, params_to_state
 from t5forge.models import EncoderDecoderModel
-from t5forge.nn import attention, matmul, philox, quant
+from t5forge.nn import attention, layers, matmul, philox, quant
 
 RNG = np.random.default_rng(0)
 
@@ -123,6 +123,27 @@ def test_bfloat16_projection_of_float32_kernel_gives_float32_gradient(i, o):
   np.testing.assert_allclose(gk, wk, rtol=1e-5, atol=1e-5 * np.abs(wk).max())
   gx, wx = np.asarray(gx, np.float32), np.asarray(wx, np.float32)
   assert np.abs(gx - wx).max() / np.abs(wx).max() < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_norm_scale_gradient_equals_autodiff(dtype):
+  """RMSNorm's scale multiply (`layers.scale_columns`): the scale's gradient, summed as a
+  product with ones, equals the float32 column sum of autodiff, also for bf16 activations
+  (where it stays float32, not rounded to bf16: the output gradient is exactly
+  representable in bf16 here, so only float32 summation order differs)."""
+  y = jnp.asarray(RNG.normal(size=(3, 24, 16)), dtype)
+  scale = jnp.asarray(RNG.normal(size=(16,)), jnp.float32)
+  cot = jnp.asarray(RNG.normal(size=(3, 24, 16)), jnp.bfloat16).astype(dtype)
+  got_y, got_s = jax.jit(jax.grad(
+      lambda y, s: jnp.sum((layers.scale_columns(y, s) * cot).astype(jnp.float32)),
+      argnums=(0, 1)))(y, scale)
+  y32, s32 = y.astype(jnp.float32), scale.astype(dtype).astype(jnp.float32)
+  want_y, want_s = jax.grad(lambda y, s: jnp.sum(y * s * cot.astype(jnp.float32)),
+                            argnums=(0, 1))(y32, s32)
+  assert got_y.dtype == dtype and got_s.dtype == jnp.float32
+  np.testing.assert_allclose(got_s, want_s, rtol=1e-5, atol=1e-5 * np.abs(want_s).max())
+  tol = 1e-5 if dtype == jnp.float32 else 1e-2
+  np.testing.assert_allclose(np.asarray(got_y, np.float32), want_y, rtol=tol, atol=tol)
 
 
 def test_relative_bias_lookup_gradient_equals_gather_gradient():

@@ -71,7 +71,35 @@ class RMSNorm(nn.Module):
     y = x32 * jax.lax.rsqrt(var + self.epsilon)
     if self.plus_one:
       return (y * (1.0 + scale.astype(jnp.float32))).astype(self.dtype)
-    return y.astype(self.dtype) * scale.astype(self.dtype)
+    return scale_columns(y.astype(self.dtype), scale)
+
+
+@jax.custom_vjp
+def scale_columns(y: jax.Array, scale: jax.Array) -> jax.Array:
+  """y [..., d] * scale [d] in y's dtype (scale rounded to it).
+
+  The backward pass sums the scale's gradient over all rows as a product with a ones
+  vector, in float32: autodiff's column sum over the [b * l, d] rows became, after XLA's
+  tree-reduction rewrite, reduce-windows that XLA:CPU runs far below memory speed (the
+  flan-t5-small bf16 step's 42 of them, 0.18 GB of rows: 0.9 s of a 38 s step on the busy
+  AMD EPYC). The gradient is in scale's dtype (float32: not rounded to bf16).
+  """
+  return y * scale.astype(y.dtype)
+
+
+def _scale_columns_fwd(y, scale):
+  return scale_columns(y, scale), (y, scale)
+
+
+def _scale_columns_bwd(res, g):
+  y, scale = res
+  rows = (g.astype(jnp.float32) * y.astype(jnp.float32)).reshape(-1, y.shape[-1])
+  ones = jnp.ones((rows.shape[0],), jnp.float32)
+  d_scale = jnp.dot(ones, rows)  # [d]
+  return (g * scale.astype(g.dtype)).astype(y.dtype), d_scale.astype(scale.dtype)
+
+
+scale_columns.defvjp(_scale_columns_fwd, _scale_columns_bwd)
 
 
 class Embed(nn.Module):
