@@ -71,7 +71,7 @@ def _transposed(a: jax.Array) -> jax.Array:
   does: exact (each output is one bf16 value times 1 summed with zeros). It is taken per
   block of TRANSPOSE_BLOCK columns, eye [b, b] x a [m, c, b] batched over the c = n / b
   blocks: 2 m n b FLOPs instead of the 2 m n^2 of one [n, n] identity (which cost 36 ms of
-  the example above on the AMD EPYC, the blocks ~4 ms); XLA lays the blocks out
+  the example above on the AMD EPYC, the blocks 4-8 ms); XLA lays the blocks out
   batch-first with a plain copy. In float32 XLA's own handling of the transposed operand
   is as fast as a copy, so the transpose is left to it.
   """
