@@ -14,8 +14,9 @@ T5FORGE_MALLOC picks what the `t5forge` command does about it:
   reuses freed pages and returns idle ones to the system: on a 2-core AMD EPYC
   (flan-t5-small, batch 4, docs/performance.md) with Adafactor steps 2% slower than
   `keep`'s and 15% shorter than the system malloc's, peak RSS 13% below the system
-  malloc's, flat; with AdamW over 50 steps peak RSS 9% below the system malloc's (scan:
-  5%), flat (with an arena per thread, before `narenas:1`, the peak was 29% above).
+  malloc's, flat; with AdamW over 50 steps peak RSS 9% below the system malloc's (with
+  scan 5% below the unscanned system's), flat (with an arena per thread, before
+  `narenas:1`, the peak was 29% above).
 - `jemalloc` / `tcmalloc`: that library, or the system allocator with a one-line note
   when it cannot be loaded. gperftools' tcmalloc (Debian `libtcmalloc-minimal4`) is not
   chosen by `auto`: its steps were 57% slower than the system malloc's, 4.8 GiB peak.
