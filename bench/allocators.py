@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 
-from bench import shapes
+from bench import prepare, shapes
 from bench.prepare import CACHE_DIR, RESULTS_DIR
 
 POLL_S = 0.005
@@ -138,14 +138,10 @@ def main(argv=None) -> None:
   p.add_argument("--out", default=None, help="result file (default: see above)")
   p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   args = p.parse_args(argv)
-  if args.model_dir is None:
-    args.model_dir = os.path.join(CACHE_DIR, shapes.SHAPES[args.size].cache_key(0), "hf")
+  args.model_dir = prepare.model_dir(args.size, args.model_dir)
   if args.child:
     child(args)
     return
-  if not os.path.isdir(args.model_dir):
-    raise SystemExit(f"{args.model_dir} does not exist: run `python -m bench train --sizes "
-                     f"{args.size}` once (it builds the model directories), or pass --model_dir")
   choices = args.choices or ["system", "keep", "default"]
   if args.reverse:
     choices.reverse()

@@ -19,10 +19,6 @@ from bench.workers import REPO_ROOT, WorkerGroup, log
 RESULTS_DIR = os.path.join(REPO_ROOT, "bench", "results")
 CACHE_DIR = os.path.join(RESULTS_DIR, ".cache")
 CT2_QUANTIZATIONS = ("float32", "int8")
-# CPU flags of native bfloat16 arithmetic. Without them torch multiplies bf16 matrices
-# in an unvectorised loop (one [4096, 4096] product took over 7 minutes on an AVX2-only
-# AMD EPYC) and bf16 has nothing to gain, so `--bf16 auto` leaves those rows out.
-BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +46,16 @@ class Context:
   def ct2_dirs(self, size: str) -> dict[str, str]:
     root = os.path.dirname(self.model_dir(size))
     return {q: os.path.join(root, f"ct2-{q}") for q in CT2_QUANTIZATIONS}
+
+
+def model_dir(size: str, model_dir: str | None) -> str:
+  """The HF directory of the bench's random-init model of `size` (or `model_dir`, if
+  given); exits with the command that builds it where it is missing."""
+  path = model_dir or os.path.join(CACHE_DIR, shapes.SHAPES[size].cache_key(0), "hf")
+  if not os.path.isdir(path):
+    raise SystemExit(f"{path} does not exist: run `python -m bench train --sizes {size}` once "
+                     f"(it builds the model directories), or pass --model_dir")
+  return path
 
 
 def prepare_models(ctx: Context, sizes: list[str], *, ct2_sizes: list[str],
@@ -88,20 +94,18 @@ def _cpu_model() -> str:
 
 def _cpu_flags() -> list[str]:
   wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "fma")
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("flags"):
-          have = set(line.split(":", 1)[1].split())
-          return [w for w in wanted if w in have]
-  except OSError:
-    pass
-  return []
+  from t5forge import precision  # pylint: disable=import-outside-toplevel
+  have = precision.cpu_flags()
+  return [w for w in wanted if w in have]
 
 
 def bf16_hardware() -> bool:
-  """Whether this CPU has native bfloat16 instructions (see BF16_FLAGS)."""
-  return any(f in _cpu_flags() for f in BF16_FLAGS)
+  """Whether this CPU has native bfloat16 instructions (t5forge.precision's test, which
+  decides `t5forge train`'s default dtype). Without them torch multiplies bf16 matrices in
+  an unvectorised loop (one [4096, 4096] product took over 7 minutes on an AVX2-only AMD
+  EPYC) and bf16 has nothing to gain, so `--bf16 auto` leaves those rows out."""
+  from t5forge import precision  # pylint: disable=import-outside-toplevel
+  return precision.bf16_reason("cpu", precision.cpu_flags()) is not None
 
 
 def machine_info() -> dict:

@@ -17,8 +17,8 @@ import subprocess
 import sys
 import time
 
-from bench import shapes
-from bench.prepare import CACHE_DIR, RESULTS_DIR
+from bench import prepare, shapes
+from bench.prepare import RESULTS_DIR
 
 
 def child(args) -> None:
@@ -56,14 +56,10 @@ def main(argv=None) -> None:
   p.add_argument("--target_length", type=int, default=114)
   p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   args = p.parse_args(argv)
-  if args.model_dir is None:
-    args.model_dir = os.path.join(CACHE_DIR, shapes.SHAPES[args.size].cache_key(0), "hf")
+  args.model_dir = prepare.model_dir(args.size, args.model_dir)
   if args.child:
     child(args)
     return
-  if not os.path.isdir(args.model_dir):
-    raise SystemExit(f"{args.model_dir} does not exist: run `python -m bench train --sizes "
-                     f"{args.size}` once (it builds the model directories), or pass --model_dir")
   from t5forge import host_memory  # pylint: disable=import-outside-toplevel
   env, note = host_memory.plan(dict(os.environ))
   if note:
