@@ -114,7 +114,7 @@ def detect_format(path: str) -> str:
 # Fields a caller may change on load: they alter computation, not parameter shapes
 # (scan_layers changes only the layout, which `relayout` converts).
 RUNTIME_FIELDS = ("dtype", "scan_layers", "remat_policy", "dropout_rate",
-                  "float32_attention_logits", "weight_dtype")
+                  "float32_attention_logits", "weight_dtype", "attention_kernel")
 
 
 def relayout(params: dict, *, scanned: bool, to_scanned: bool) -> dict:

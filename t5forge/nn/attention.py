@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from t5forge import sharding as ax
-from t5forge.nn import matmul, philox
+from t5forge.nn import fused_attention, matmul, philox
 from t5forge.nn.layers import Dense, Kernel, param_with_axes
 
 # Added to the logits of masked positions. Large and finite so that a fully masked row
@@ -169,6 +169,9 @@ class MultiHeadAttention(nn.Module):
     softcap: attention logits become softcap * tanh(logits / softcap) before masking.
     rope_theta: rotary position embeddings on queries and keys (self-attention), at the
       `positions` given to `__call__`.
+    kernel: ModelConfig.attention_kernel: 'auto' runs T5's teacher-forcing attention in
+      cuDNN's fused kernel where `fused_attention.use_cudnn` allows (a CUDA GPU, no
+      attention dropout), 'xla' never, 'cudnn' always.
   """
 
   num_heads: int
@@ -180,6 +183,7 @@ class MultiHeadAttention(nn.Module):
   query_scale: float | None = None
   softcap: float | None = None
   rope_theta: float | None = None
+  kernel: str = "auto"
 
   @nn.compact
   def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array | None, bias: jax.Array | None,
@@ -276,6 +280,9 @@ class MultiHeadAttention(nn.Module):
                    else self.make_rng("dropout"))
     if decode is not None and plain:
       out = cached_attention(q, k, v, bias, mask_bias, float32_logits=self.float32_logits)
+    elif plain and fused_attention.use_cudnn(self.kernel, q, k, bias, mask_bias,
+                                             dropout=dropout_rng is not None):
+      out = fused_attention.fused_attention(q, k, v, bias, mask_bias)
     elif plain:
       out = dot_product_attention(q, k, v, bias, mask_bias, dropout_rate=self.dropout_rate,
                                   deterministic=deterministic,

@@ -27,6 +27,7 @@ T5GEMMA_FIELDS = ("num_kv_heads", "encoder_emb_dim", "encoder_num_heads", "encod
 # Fields that only the T5Gemma 2 network reads.
 T5GEMMA2_FIELDS = ("rope_local_theta", "rope_scaling_factor", "eoi_token_id")
 REMAT_POLICIES = ("none", "minimal", "full")
+ATTENTION_KERNELS = ("auto", "xla", "cudnn")
 ACTIVATIONS = ("relu", "gelu", "gelu_exact", "silu", "linear")
 
 
@@ -102,6 +103,11 @@ class ModelConfig:
     scan_layers: run the layer stack with `nn.scan` (one compiled layer; parameters
       stacked on a leading 'layers' axis).
     remat_policy: 'none', 'minimal' (save matmul outputs) or 'full' (recompute all).
+    attention_kernel: 'auto' (default), 'xla' or 'cudnn': where T5's teacher-forcing
+      attention runs. 'auto' takes cuDNN's fused attention (`t5forge.nn.fused_attention`)
+      on a CUDA GPU for the calls it can run (bf16/fp16, no attention dropout), T5's own
+      XLA attention elsewhere and always on CPU; 'xla' forces ours, 'cudnn' forces cuDNN
+      (an error where it cannot run). T5Gemma's grouped attention always runs ours.
     weight_dtype: 'float32', or 'int8' for int8 weight-only projection kernels with
       per-channel scales (inference only; see `t5forge.nn.quant`). Set it when loading:
       `t5forge.load(path, weight_dtype='int8')` or `--weight_dtype int8`.
@@ -130,6 +136,7 @@ class ModelConfig:
   float32_attention_logits: bool = True
   scan_layers: bool = False
   remat_policy: str = "none"
+  attention_kernel: str = "auto"
   weight_dtype: str = "float32"
   eos_token_ids: tuple[int, ...] | None = None
   num_kv_heads: int | None = None
@@ -181,6 +188,12 @@ class ModelConfig:
       problems.append(f"weight_dtype must be 'float32' or 'int8', got {self.weight_dtype!r}")
     if self.remat_policy not in REMAT_POLICIES:
       problems.append(f"remat_policy must be one of {REMAT_POLICIES}, got {self.remat_policy!r}")
+    if self.attention_kernel not in ATTENTION_KERNELS:
+      problems.append(f"attention_kernel must be one of {ATTENTION_KERNELS}, got "
+                      f"{self.attention_kernel!r}")
+    elif self.attention_kernel == "cudnn" and self.architecture in GEMMA_ARCHITECTURES:
+      problems.append("attention_kernel 'cudnn' applies to T5's attention only (T5Gemma's "
+                      "grouped attention runs on XLA); use 'auto'")
     bad = [a for a in self.mlp_activations if a not in ACTIVATIONS]
     if bad or not self.mlp_activations:
       problems.append(f"mlp_activations {self.mlp_activations} must be non-empty, from {ACTIVATIONS}")

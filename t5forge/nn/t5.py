@@ -28,7 +28,8 @@ def _dropout(cfg: ModelConfig, x: jax.Array, deterministic: bool) -> jax.Array:
 def _attention(cfg: ModelConfig, name: str) -> attn.MultiHeadAttention:
   return attn.MultiHeadAttention(num_heads=cfg.num_heads, head_dim=cfg.head_dim,
                                  dropout_rate=cfg.dropout_rate, dtype=cfg.activation_dtype,
-                                 float32_logits=cfg.float32_attention_logits, name=name)
+                                 float32_logits=cfg.float32_attention_logits,
+                                 kernel=cfg.attention_kernel, name=name)
 
 
 def _norm(cfg: ModelConfig, name: str) -> RMSNorm:
