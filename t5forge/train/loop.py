@@ -25,6 +25,7 @@ from t5forge.errors import UserError
 from t5forge.models import BaseModel
 from t5forge.sharding import Partitioner
 from t5forge.train import checkpoint as ckpt_lib
+from t5forge.train import device_memory
 from t5forge.train import hooks
 from t5forge.train import metrics as metrics_lib
 from t5forge.train import model_info, optim, run_lock
@@ -179,7 +180,10 @@ def _loop(run: "_Run", *, eval_period, stats_period, stopper, run_eval_before_tr
   t_first = time.time()
   with _Preemption() as preemption, run.partitioner.activation_context():
     while step < total:
-      state, sums = run.train_step(run.state, run.next_batch(step))
+      batch = run.next_batch(step)
+      if window_start is None:  # before the first step: would it fit in device memory?
+        run.check_step_fits(batch)
+      state, sums = run.train_step(run.state, batch)
       run.state, step = state, step + 1
       _check_finite(pending_ok, step - 1, run.checkpointer)  # the previous step is done
       pending_ok = sums.pop("finite")
@@ -277,6 +281,7 @@ class _Run:
   def setup_state(self, optimizer, settings: Trainer, checkpoint_cfg: CheckpointConfig) -> None:
     model, part = self.model, self.partitioner
     check_microbatches(self.global_batch // part.num_data_shards, settings.num_microbatches)
+    self.num_microbatches = settings.num_microbatches
     lr_fn = settings.learning_rate_fn or (lambda step: jnp.asarray(1e-3, jnp.float32))
     self.param_axes = model.logical_axes()
     self.abstract_params = model.abstract_params()
@@ -318,6 +323,16 @@ class _Run:
           in_shardings=(self.shardings, None), out_shardings=(self.shardings, None),
           donate_argnums=(0,))
       self.eval_step = jax.jit(make_eval_step(model))
+
+  def check_step_fits(self, batch: dict) -> None:
+    """Compiles the training step for `batch` ahead of its first call and stops with one
+    line when one device would need more memory than it has (`device_memory`). The call
+    that follows reuses this executable from jit's cache: still one compilation
+    (tests/test_device_memory.py counts them)."""
+    compiled = self.train_step.lower(self.state, batch).compile()
+    device_memory.check_step_fits(compiled, device=jax.local_devices()[0],
+                                  batch_size=self.global_batch, config=self.model.config,
+                                  num_microbatches=self.num_microbatches)
 
   def check_vocabulary(self, path: str, *, fix: str, allow: bool = False) -> None:
     """Refuses (with `allow`: warns) when the checkpoint at `path` stores another
