@@ -42,7 +42,7 @@ def test_step_bytes_counts_donated_state_once():
 
 
 def test_cpu_reports_no_limit_and_is_not_checked():
-  cpu = jax.local_devices()[0]
+  cpu = jax.local_devices(backend="cpu")[0]
   assert cpu.platform == "cpu" and device_memory.limit_bytes(cpu) is None
   device_memory.check_step_fits(_compiled_step(), device=cpu, batch_size=8, config=CFG,
                                 num_microbatches=None)

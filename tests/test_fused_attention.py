@@ -130,8 +130,11 @@ def test_eligibility_rules():
   assert _eligible(length=7, bias=False) is None
 
 
-def test_auto_on_cpu_is_ours_and_cudnn_on_cpu_names_the_field():
-  assert jax.default_backend() == "cpu" and fa.cuda_capability() is None
+def test_auto_on_cpu_is_ours_and_cudnn_on_cpu_names_the_field(monkeypatch):
+  if jax.default_backend() == "cpu":
+    assert fa.cuda_capability() is None
+  else:  # on a GPU machine: what a CPU backend reports
+    monkeypatch.setattr(fa, "cuda_capability", lambda: None)
   q, k, _, bias, mask_bias = _case("padding", jnp.bfloat16)
   assert not fa.use_cudnn("auto", q, k, bias, mask_bias, dropout=False)
   assert not fa.use_cudnn("xla", q, k, bias, mask_bias, dropout=False)
@@ -190,11 +193,13 @@ def _count_calls(monkeypatch):
   return calls
 
 
-def test_model_on_cpu_never_takes_the_fused_path(monkeypatch):
+def test_model_takes_the_fused_path_on_a_cuda_gpu_only(monkeypatch):
   calls = _count_calls(monkeypatch)
   params = init_params(CFG, jax.random.key(0))
+  calls.clear()  # (initialisation traces the attentions too)
   _model_grads(CFG, params)
-  assert calls == []
+  # CPU: never; a CUDA GPU: all 6 teacher-forcing attentions (2 encoder, 2 + 2 decoder).
+  assert calls == ([] if fa.cuda_capability() is None else ["cudnn"] * 6)
 
 
 def test_model_hook_on_a_gpu_runs_the_fused_form_with_the_same_result(monkeypatch):
@@ -205,7 +210,7 @@ def test_model_hook_on_a_gpu_runs_the_fused_form_with_the_same_result(monkeypatc
   want_loss, want = _model_grads(CFG.replace(attention_kernel="xla"), params)
   monkeypatch.setattr(fa, "cuda_capability", lambda: CAP_H100)
   monkeypatch.setattr(fa, "IMPLEMENTATION", "xla")
-  calls = _count_calls(monkeypatch)
+  calls = _count_calls(monkeypatch)  # (after init_params: counts the step's attentions)
   got_loss, got = _model_grads(CFG, params)
   # 2 encoder + 2 decoder self + 2 cross attentions, traced for value_and_grad.
   assert calls == ["xla"] * 6
