@@ -118,7 +118,8 @@ def _eligible(dtype=jnp.bfloat16, length=L, head_dim=64, dropout=False, capabili
 
 def test_eligibility_rules():
   assert _eligible() is None  # T5.1.1 base/large on an H100: bf16, head_dim 64
-  assert _eligible(dtype=jnp.float16, capability=(8, 0)) is None  # A100
+  assert _eligible(capability=(8, 0)) is None  # A100
+  assert "float16" in _eligible(dtype=jnp.float16)  # -1e10 overflows float16
   assert "not a CUDA GPU" in _eligible(capability=None)
   assert "below 8.0" in _eligible(capability=(7, 5))
   assert "dropout" in _eligible(dropout=True)

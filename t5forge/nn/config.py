@@ -105,7 +105,7 @@ class ModelConfig:
     remat_policy: 'none', 'minimal' (save matmul outputs) or 'full' (recompute all).
     attention_kernel: 'auto' (default), 'xla' or 'cudnn': where T5's teacher-forcing
       attention runs. 'auto' takes cuDNN's fused attention (`t5forge.nn.fused_attention`)
-      on a CUDA GPU for the calls it can run (bf16/fp16, no attention dropout), T5's own
+      on a CUDA GPU for the calls it can run (bf16, no attention dropout), T5's own
       XLA attention elsewhere and always on CPU; 'xla' forces ours, 'cudnn' forces cuDNN
       (an error where it cannot run). T5Gemma's grouped attention always runs ours.
     weight_dtype: 'float32', or 'int8' for int8 weight-only projection kernels with

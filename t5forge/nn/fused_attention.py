@@ -9,7 +9,9 @@ the additive bias (dbias), which T5 needs: the relative position bias is a param
 What jax 0.10's `jax.nn.dot_product_attention` allows (jax/_src/nn/functions.py and
 jax/_src/cudnn/fused_attention_stablehlo.py), and what this module does about it:
 - dtypes: cuDNN runs float16 / bfloat16 q, k, v only (float32 raises); float32 models
-  stay on our XLA path.
+  stay on our XLA path. Only bfloat16 is taken: T5's mask value -1e10 rounds to -inf in
+  float16 (a fully masked row, e.g. an all-padding example, would give NaN), and
+  ModelConfig's dtypes are float32 and bfloat16 anyway.
 - head_dim: a multiple of 8, at most 128 (256 on Hopper, compute capability >= 9.0).
 - with a bias, the training kernels need even query and key lengths.
 - `scale`: None means 1 / sqrt(head_dim); T5 needs 1.0 (it folds the scaling into the
@@ -79,8 +81,9 @@ def ineligible(q: jax.Array, k: jax.Array, bias: jax.Array | None,
     return f"compute capability {capability[0]}.{capability[1]} is below 8.0 (Ampere)"
   if dropout:
     return "attention dropout is on (jax.nn.dot_product_attention has no dropout)"
-  if q.dtype not in (jnp.bfloat16, jnp.float16):
-    return f"q/k/v are {q.dtype} (cuDNN's fused attention runs float16 and bfloat16 only)"
+  if q.dtype != jnp.bfloat16:
+    return f"q/k/v are {q.dtype}, not bfloat16 (cuDNN runs float16 and bfloat16, and T5's " \
+           "-1e10 mask overflows float16)"
   d = q.shape[-1]
   d_max = 256 if capability >= (9, 0) else 128
   if d % 8 or d > d_max:
@@ -112,7 +115,7 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | 
   """softmax(q.k + bias + mask_bias) v through `jax.nn.dot_product_attention`.
 
   Args:
-    q: [b, q, h, d]; k, v: [b, k, h, d] (float16/bfloat16 for cuDNN).
+    q: [b, q, h, d]; k, v: [b, k, h, d] (bfloat16 for cuDNN).
     bias: relative position bias [1, h, q, k] (float32; a parameter: it gets a gradient),
       or None (cross-attention).
     mask_bias: additive mask [b or 1, 1, q or 1, k] (0 or attention.MASK_VALUE), or None.
