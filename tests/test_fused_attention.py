@@ -233,8 +233,9 @@ def _has_gpu():
 def test_cudnn_matches_float32_reference_and_is_fused(kind):
   # T5.1.1's head_dim 64, lengths divisible by 64 as the training runs use.
   q, k, v, bias, mask_bias = _case(kind, jnp.bfloat16, length=128, head_dim=64)
-  ref = _grads(_ours, q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
-               bias, mask_bias.astype(jnp.float32))
+  with jax.default_matmul_precision("highest"):  # a float32 reference, not TF32
+    ref = _grads(_ours, q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                 bias, mask_bias.astype(jnp.float32))
   cudnn = lambda *a: fa.fused_attention(*a, implementation="cudnn")  # noqa: E731
   got = _grads(cudnn, q, k, v, bias, mask_bias)
   for name, g, r in zip(NAMES, got, ref):
