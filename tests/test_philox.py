@@ -39,7 +39,9 @@ def _mask(seed: int, shape=(4, 6, 64, 128), rate=0.1) -> np.ndarray:
 @pytest.mark.parametrize("rate", [0.1, 0.5, 0.9])
 def test_keep_fraction_is_one_minus_rate(rate):
   m = _mask(0, rate=rate)
-  p = 1 - rate
+  # The keep probability is a 16-bit fraction, within 2^-17 of 1 - rate.
+  p = philox.keep_probability(rate)
+  assert p == philox.keep_threshold(rate) / 65536 and abs(p - (1 - rate)) <= 2 ** -17
   sigma = np.sqrt(p * (1 - p) / m.size)
   assert abs(m.mean() - p) < 5 * sigma, (m.mean(), p)
   # Every row of every head gets its own draw (no repeated [q, k] blocks or rows).
@@ -68,22 +70,36 @@ def test_mask_of_any_rank():
 
 
 def _numpy_keep_mask(seed, shape, rate) -> np.ndarray:
-  """The documented counter assignment in numpy (uint64 products): counter = (row-major
-  index within the last two axes, seed[1] + row-major index over the leading axes)."""
+  """The documented counter assignment in numpy (uint64 products), element by element:
+  element (..., i, c) of [..., m, n] reads 16-bit piece c % 4 (low/high half of word 0,
+  then of word 1) of the call with counter = (i * ceil(n / 4) + c // 4, seed[1] +
+  row-major index over the leading axes)."""
   seed = np.asarray(seed).astype(np.uint64)
   mask32 = np.uint64(2 ** 32 - 1)
-  inner = int(np.prod(shape[-2:]))
-  flat = np.arange(int(np.prod(shape)), dtype=np.uint64)
-  c0, c1 = flat % np.uint64(inner), (flat // np.uint64(inner) + seed[1]) & mask32
+  n = shape[-1]
+  m = shape[-2] if len(shape) > 1 else 1
+  n4 = -(-n // 4)
+  index = np.indices(shape).reshape(len(shape), -1).astype(np.uint64)
+  col = index[-1]
+  row = index[-2] if len(shape) > 1 else np.zeros_like(col)
+  lead = np.zeros_like(col)
+  for axis in range(len(shape) - 2):
+    lead = lead * np.uint64(shape[axis]) + index[axis]
+  c0 = row * np.uint64(n4) + col // np.uint64(4)
+  c1 = (lead + seed[1]) & mask32
+  assert m * n4 <= 2 ** 32
   k = seed[0]
   for _ in range(philox.ROUNDS):
     prod = c0 * np.uint64(philox._MULTIPLIER)
     c0, c1 = ((prod >> np.uint64(32)) ^ k ^ c1) & mask32, prod & mask32
     k = (k + np.uint64(philox._KEY_INCREMENT)) & mask32
-  return (c0 < np.uint64(philox.keep_threshold(rate))).reshape(shape)
+  piece = col % np.uint64(4)
+  word = np.where(piece < 2, c0, c1)
+  bits = (word >> (np.uint64(16) * (piece % np.uint64(2)))) & np.uint64(0xFFFF)
+  return (bits < np.uint64(philox.keep_threshold(rate))).reshape(shape)
 
 
-@pytest.mark.parametrize("shape", [(1000,), (7, 9), (3, 5, 7), (2, 3, 5, 7, 11)])
+@pytest.mark.parametrize("shape", [(1000,), (7, 9), (3, 5, 8), (2, 3, 5, 7, 11), (2, 3, 4, 6)])
 def test_mask_follows_the_documented_counters(shape):
   seed = philox.seed_words(jax.random.key(5))
   got = np.asarray(jax.jit(philox.keep_mask, static_argnums=(1, 2))(seed, shape, 0.3))
@@ -106,3 +122,30 @@ def test_scanned_masks_hoist_no_mask_sized_arrays():
   assert loops, "no while loop in the compiled scan"
   carried = "u32[" + ",".join(map(str, shape)) + "]"
   assert not any(carried in line for line in loops), loops
+
+
+def test_every_piece_of_a_call_is_unbiased_and_independent():
+  """The four decisions of one Philox call (columns 4j..4j+3) are kept with the same
+  probability and independently of each other, as separate calls would be."""
+  m = _mask(2, shape=(4, 6, 256, 256), rate=0.3).astype(np.float64)
+  p = philox.keep_probability(0.3)
+  pieces = m.reshape(*m.shape[:-1], -1, 4)  # [..., n/4, piece]
+  sigma = np.sqrt(p * (1 - p) / pieces[..., 0].size)
+  for j in range(4):
+    assert abs(pieces[..., j].mean() - p) < 5 * sigma, (j, pieces[..., j].mean())
+  tol = 5 * np.sqrt(p * p * (1 - p * p) / pieces[..., 0].size)
+  for i in range(4):
+    for j in range(i + 1, 4):
+      assert abs((pieces[..., i] * pieces[..., j]).mean() - p * p) < tol, (i, j)
+
+
+def test_packed_bits_are_computed_once_per_four_elements():
+  """XLA keeps the packed decisions a separate uint8 [..., m, n/4] array: fused into the
+  [..., m, n] consumer, each Philox call would run four times (philox docstring)."""
+  shape = (2, 3, 64, 128)
+  seed = philox.seed_words(jax.random.key(0))
+  w = jnp.ones(shape, jnp.bfloat16)
+  fn = jax.jit(lambda w, s: jnp.where(philox.keep_mask(s, shape, 0.1), w * 2, 0.0))
+  hlo = fn.lower(w, seed).compile().as_text()
+  entry = hlo[hlo.index("\nENTRY"):]
+  assert "u8[2,3,64,32]" in entry, entry
