@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from t5forge import sharding as ax
-from t5forge.nn import fused_attention, matmul, philox
+from t5forge.nn import fused_attention, matmul, philox, stack
 from t5forge.nn.layers import Dense, Kernel, param_with_axes
 
 # Added to the logits of masked positions. Large and finite so that a fully masked row
@@ -472,7 +472,9 @@ def _attention_fwd(q, k, v, bias, mask_bias, seed, dropout_rate):
   probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # [b, h, q, k] float32
   weights = _dropped(probs, seed, dropout_rate, v.dtype)
   out = _einsum("bhqk,bkhd->bqhd", weights, v).astype(v.dtype)  # [b, q, h, d]
-  return out, (q, k, v, bias, mask_bias, seed, probs, out)
+  # Kept as they are by a scanned stack, not recomputed in its backward loop (stack.keep).
+  q, k, v, probs, kept_out = stack.keep(q, k, v, probs, out)
+  return out, (q, k, v, bias, mask_bias, seed, probs, kept_out)
 
 
 def _dropped(weights, seed, rate, dtype):

@@ -13,6 +13,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from t5forge import sharding as ax
 
@@ -41,8 +42,40 @@ _SCAN_SAVED = frozenset({
     "random_wrap", "random_unwrap"})
 
 
-def scan_saveable(prim, *_, **__) -> bool:
-  """The remat policy of a scanned stack without remat (see `_SCAN_SAVED`)."""
+# The checkpoint name of values that a scanned stack keeps as well (see `keep`).
+KEPT = "scan_kept"
+
+
+def keep(*xs: jax.Array) -> tuple[jax.Array, ...]:
+  """Marks residuals of a hand-written VJP (e.g. attention's float32 probabilities
+  [b, h, q, k]) as kept for the backward pass of a scanned stack. Only for residuals
+  (values returned by a custom VJP's forward for its backward): a bfloat16 value's bits
+  pass through an integer type, which autodiff does not differentiate through.
+
+  A custom VJP's forward is traced inline, so its residuals are the outputs of ordinary
+  primitives (elementwise ones for a softmax or a cast), which `scan_saveable` would
+  recompute in the backward loop (with the softmax: from the saved logits, a pass over
+  [b, h, q, k] more per layer, and the logits stacked across layers besides). A named
+  value is kept as it is. Outside a scan this is the identity.
+
+  bfloat16 values are kept as their uint16 bits: XLA:CPU writes a bfloat16 layer's
+  slice into the stacked [layers, ...] array by converting the whole stack to float32
+  and back (a pass over every layer's values, per layer), an integer slice in place.
+  """
+  return tuple(_kept(x) for x in xs)
+
+
+def _kept(x: jax.Array) -> jax.Array:
+  if x.dtype != jnp.bfloat16:
+    return checkpoint_name(x, KEPT)
+  bits = checkpoint_name(jax.lax.bitcast_convert_type(x, jnp.uint16), KEPT)
+  return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
+
+
+def scan_saveable(prim, *_, **params) -> bool:
+  """The remat policy of a scanned stack without remat (see `_SCAN_SAVED` and `keep`)."""
+  if prim.name == "name":  # jax.ad_checkpoint.checkpoint_name
+    return params.get("name") == KEPT
   return prim.name in _SCAN_SAVED
 
 

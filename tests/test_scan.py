@@ -1,0 +1,103 @@
+"""What a scanned layer stack keeps for its backward pass (`stack.scan_saveable`,
+`stack.keep`): the residuals a loop of layers would keep, not the inputs to recompute them.
+(That scan and loop compute the same loss and gradients: tests/test_hf_parity.py and
+tests/test_fast_paths.py.)"""
+import contextlib
+import io
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from t5forge.nn import attention, stack
+
+B, L, H, D = 2, 16, 3, 8
+
+
+def _saved(dtype, dropout: bool) -> list[tuple[str, tuple[int, ...], str]]:
+  """(dtype, shape, description) of each value attention saves for its backward pass
+  under the scanned stack's policy (jax.ad_checkpoint.print_saved_residuals)."""
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.normal(size=(B, L, H, D)), dtype) for _ in range(3))
+  bias = jnp.asarray(rng.normal(size=(1, H, L, L)), jnp.float32)
+  mask = attention.mask_to_bias(jnp.asarray(rng.random((B, 1, L, L)) < 0.9), jnp.float32)
+
+  def f(q, k, v, bias):
+    return attention.dot_product_attention(
+        q, k, v, bias, mask, dropout_rate=0.1 if dropout else 0.0,
+        deterministic=not dropout, dropout_rng=jax.random.key(1)).astype(jnp.float32).sum()
+
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    jax.ad_checkpoint.print_saved_residuals(
+        jax.checkpoint(f, policy=stack.scan_saveable), q, k, v, bias)
+  saved = []
+  for line in out.getvalue().splitlines():  # e.g. "f32[2,3,16,16] named 'x' from ..."
+    m = re.match(r"(\w+)\[([\d,]*)\] (.*)", line)
+    assert m, line
+    saved.append((m[1], tuple(int(n) for n in m[2].split(",") if n), m[3]))
+  return saved
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dropout", [False, True])
+def test_scanned_attention_keeps_its_probabilities(dtype, dropout):
+  """The backward loop of a scan reads attention's float32 probabilities [b, h, q, k]
+  as the forward computed them. Without `stack.keep` the policy saved the logits (a dot
+  output) and the softmax's max and sum, and reran the softmax (exp, divide) over
+  [b, h, q, k] in the backward loop of every layer, a pass a loop does not make."""
+  saved = _saved(dtype, dropout)
+  full = [(dt, why) for dt, shape, why in saved if shape == (B, H, L, L)]
+  assert full == [("f32", full[0][1])] and full[0][1].startswith(f"named '{stack.KEPT}'"), saved
+  # Nothing else of the softmax: no row maxima or sums [b, h, q(, 1)].
+  assert not [s for s in saved if s[1] in ((B, H, L), (B, H, L, 1))], saved
+  # q, k, v and the output as the loop keeps them: in the compute dtype (in bfloat16 not
+  # the float32 product that the projection's cast reads; here: no float32 copy of q).
+  # bfloat16 ones as their uint16 bits (see test_kept_bfloat16_is_written_in_place).
+  small = [(dt, why) for dt, shape, why in saved if shape == (B, L, H, D)]
+  want = "u16" if dtype == jnp.bfloat16 else "f32"
+  assert len(small) == 4 and all(dt == want for dt, _ in small), saved
+
+
+def test_kept_bfloat16_is_written_in_place():
+  """A kept bfloat16 residual [4, 64, 32] per layer, stacked over 6 layers by a scan: its
+  writes must not convert the whole [6, 4, 64, 32] stack to float32 and back (what
+  XLA:CPU does for a bfloat16 dynamic-update-slice; in the flan-t5-small bf16 step a
+  pass over a whole stack per layer and kept array); `stack.keep` stores uint16 bits."""
+  layers, shape = 6, (4, 64, 32)
+
+  @jax.custom_vjp
+  def square(x):
+    return x * x
+
+  def square_fwd(x):
+    return x * x, stack.keep((2 * x).astype(jnp.bfloat16))
+
+  def square_bwd(res, g):
+    (twice_x,) = res
+    return (g * twice_x.astype(g.dtype),)
+
+  square.defvjp(square_fwd, square_bwd)
+
+  def layer(x, w):
+    return jnp.sin(square(x * w)), None
+
+  def loss(x, ws):
+    return jax.lax.scan(jax.checkpoint(layer, policy=stack.scan_saveable), x, ws)[0].sum()
+
+  x = jnp.linspace(-1, 1, np.prod(shape)).reshape(shape)
+  ws = jnp.linspace(0.5, 1.5, layers * shape[-1]).reshape(layers, 1, 1, shape[-1])
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+  hlo = grad.lower(x, ws).compile().as_text()
+  stacked = ",".join(map(str, (layers, *shape)))
+  assert f"u16[{stacked}]" in hlo and f"bf16[{stacked}]" not in hlo
+
+  def unrolled(x, ws):  # the bits are the value: the gradient of the plain layers
+    for i in range(layers):
+      x = layer(x, ws[i])[0]
+    return x.sum()
+  for got, want in zip(grad(x, ws), jax.jit(jax.grad(unrolled, argnums=(0, 1)))(x, ws)):
+    assert np.abs(got).max() > 0
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
