@@ -101,3 +101,22 @@ def test_kept_bfloat16_is_written_in_place():
   for got, want in zip(grad(x, ws), jax.jit(jax.grad(unrolled, argnums=(0, 1)))(x, ws)):
     assert np.abs(got).max() > 0
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_scanned_bfloat16_projection_keeps_its_operand():
+  """A bf16 projection (`matmul.dense`) in a scanned stack keeps its bf16 operand, as
+  uint16 bits, for the kernel gradient: not its float32 inputs (and, for a norm's
+  output, a bf16 copy that XLA:CPU wrote per layer through the whole stack)."""
+  from t5forge.nn import matmul  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(2, 16, 8)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(8, 4)), jnp.float32)
+
+  def f(x, w):
+    return matmul.dense(jnp.tanh(x).astype(jnp.bfloat16), w).sum()
+
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    jax.ad_checkpoint.print_saved_residuals(jax.checkpoint(f, policy=stack.scan_saveable), x, w)
+  operand = [line for line in out.getvalue().splitlines() if line.startswith("u16[32,8]")]
+  assert operand and f"named '{stack.KEPT}'" in operand[0], out.getvalue()

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from t5forge.nn import quant
+from t5forge.nn import quant, stack
 
 # dense_multi concatenates the kernels only for products of at least this many rows.
 FUSE_MIN_ROWS = 256
@@ -104,6 +104,11 @@ def _dense2d(x2: jax.Array, kernel: jax.Array, out_dtype) -> jax.Array:
 
 
 def _dense2d_fwd(x2, kernel, out_dtype):
+  if x2.dtype == jnp.bfloat16:
+    # A scanned stack keeps the bf16 operand as the loop does (a norm's or activation's
+    # output, cast), rather than its float32 inputs and a bf16 copy of the norm's output
+    # that XLA:CPU writes per layer through the whole stack (see stack.keep).
+    return _dense2d(x2, kernel, out_dtype), (*stack.keep(x2), kernel)
   return _dense2d(x2, kernel, out_dtype), (x2, kernel)
 
 
