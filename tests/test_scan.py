@@ -120,3 +120,27 @@ def test_scanned_bfloat16_projection_keeps_its_operand():
     jax.ad_checkpoint.print_saved_residuals(jax.checkpoint(f, policy=stack.scan_saveable), x, w)
   operand = [line for line in out.getvalue().splitlines() if line.startswith("u16[32,8]")]
   assert operand and f"named '{stack.KEPT}'" in operand[0], out.getvalue()
+
+
+def test_scanned_bfloat16_gradient_equals_the_loop(hf_dirs):
+  """bf16 with scan (its residuals kept as uint16 bits): the gradient of the bf16 loop,
+  up to bfloat16 rounding in other fusions."""
+  from hf_reference import random_batch  # pylint: disable=import-outside-toplevel
+  from t5forge.convert.hf import load_hf, params_to_state  # pylint: disable=import-outside-toplevel
+  from t5forge.models import EncoderDecoderModel  # pylint: disable=import-outside-toplevel
+  config, params = load_hf(hf_dirs("flan"))
+  config = config.replace(dtype="bfloat16")
+  enc, dec = random_batch(config.vocab_size, batch=2, enc_len=20, dec_len=12)
+  batch = {"encoder_input_tokens": enc, "decoder_input_tokens": dec,
+           "decoder_target_tokens": np.roll(dec, -1, axis=1),
+           "decoder_loss_weights": np.ones(dec.shape, np.float32)}
+
+  def grads(cfg):
+    p = stack.stack_layers(params) if cfg.scan_layers else params
+    g = jax.jit(jax.grad(lambda p: EncoderDecoderModel(cfg).loss_fn(p, batch, None)[0]))(p)
+    return params_to_state(g, cfg)
+
+  want, got = grads(config), grads(config.replace(scan_layers=True))
+  for name, w in want.items():
+    err = np.abs(got[name] - w).max() / (np.abs(w).max() + 1e-12)
+    assert err < 0.02, (name, err)
