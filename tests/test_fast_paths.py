@@ -30,8 +30,9 @@ def test_attention_backward_equals_autodiff(dropout):
                 for s in ((b, q, h, d), (b, k, h, d), (b, k, h, d)))
   bias = jnp.asarray(RNG.normal(size=(1, h, q, k)), jnp.float32)
   mask = jnp.where(jnp.asarray(RNG.random((b, 1, q, k)) < 0.2), -1e10, 0.0)
-  # The fast path takes the Philox seed and regenerates the mask in its backward pass;
-  # the reference is given the same mask as an array.
+  # The fast path takes the Philox seed and keeps the packed mask bits for its backward
+  # pass; the reference is given philox.keep_mask's mask as an array (k = 7: a padded
+  # last Philox call).
   seed = philox.seed_words(jax.random.key(7)) if dropout else None
   keep = philox.keep_mask(seed, (b, h, q, k), dropout) if dropout else None
   if dropout:
@@ -57,7 +58,8 @@ def test_bfloat16_dropout_keeps_the_expectation():
   w = jnp.asarray(RNG.random(shape), jnp.bfloat16)
   seed = philox.seed_words(jax.random.key(3))
   keep = np.asarray(philox.keep_mask(seed, shape, rate))
-  got = np.asarray(attention._dropped(w, seed, rate, jnp.bfloat16).astype(jnp.float32))
+  bits = philox.keep_bits(seed, shape, rate)
+  got = np.asarray(attention._dropped(w, bits, rate, jnp.bfloat16).astype(jnp.float32))
   assert not got[~keep].any()
   ratio = got.astype(np.float64).sum() / np.asarray(w, np.float64)[keep].sum()
   assert abs(ratio * philox.keep_probability(rate) - 1) < 1e-4, ratio

@@ -5,8 +5,8 @@ Why not `jax.random.bernoulli`: on XLA:CPU its threefry bits cost ~13 ns per ele
 and the attention masks of a training step hold ~130M elements: about a quarter of the
 whole step. Philox-2x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2,
 3", SC'11; the Random123 generator, also behind cuRAND's and PyTorch's GPU dropout) is a
-handful of integer multiplies per call, which XLA fuses and vectorises, and cheap enough
-to regenerate in the backward pass instead of storing the mask (see
+handful of integer multiplies per call, which XLA fuses and vectorises. The backward pass
+reuses the forward's packed bits (`keep_bits`, an eighth of the mask's bytes; see
 `t5forge.nn.attention`).
 
 One call gives two 32-bit words, 64 bits: four 16-bit pieces, one keep decision each.
@@ -101,6 +101,14 @@ def keep_mask(seed: jax.Array, shape: tuple[int, ...], rate: float) -> jax.Array
     shape: the mask's shape (rank >= 1); m * ceil(n / 4) for its last two axes [m, n]
       may be up to 2^32, as may the product of the leading axes.
   """
+  return unpack_keep(keep_bits(seed, shape, rate), int(shape[-1]))
+
+
+def keep_bits(seed: jax.Array, shape: tuple[int, ...], rate: float) -> jax.Array:
+  """The packed keep decisions of `keep_mask(seed, shape, rate)`: uint8
+  [..., m, ceil(n / 4)] for shape [..., m, n], bit j of element (..., i, c) deciding
+  element (..., i, 4 c + j). An eighth of the mask's bytes: what a backward pass keeps
+  (see `t5forge.nn.attention`) to unpack with `unpack_keep`."""
   shape = tuple(int(n) for n in shape)
   n = shape[-1]
   # One Philox call per PER_CALL consecutive elements of a row (the last block padded).
@@ -136,9 +144,14 @@ def keep_mask(seed: jax.Array, shape: tuple[int, ...], rate: float) -> jax.Array
   for j, piece in enumerate(pieces):
     packed = packed | ((piece < threshold).astype(jnp.uint8) << jnp.uint8(j))
   # packed < 16, so the remainder by 17 is the identity: it is there to be an expensive
-  # op, which XLA:CPU will not fuse into the 4x-reusing unpacking below (module
+  # op, which XLA:CPU will not fuse into the 4x-reusing `unpack_keep` (module
   # docstring); tests/test_philox.py checks that the packed bits stay a separate array.
-  packed = jnp.broadcast_to(packed, calls) % jnp.uint8(17)
+  return jnp.broadcast_to(packed, calls) % jnp.uint8(17)
+
+
+def unpack_keep(packed: jax.Array, n: int) -> jax.Array:
+  """bool [..., m, n] from the packed bits uint8 [..., m, ceil(n / 4)] of `keep_bits`."""
+  calls = packed.shape
   spread = jnp.broadcast_to(packed[..., None], (*calls, PER_CALL))
   spread = spread.reshape(*calls[:-1], calls[-1] * PER_CALL)[..., :n]  # [..., m, n]
   piece_index = lax.broadcasted_iota(jnp.uint8, (n,), 0) & jnp.uint8(PER_CALL - 1)
