@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -62,19 +64,36 @@ def child(args) -> None:
   threading.Thread(target=poll, daemon=True).start()
   for step in range(args.steps):
     high[0] = _rss_mib()
+    before = resource.getrusage(resource.RUSAGE_SELF)
     start = time.perf_counter()
     run()
     seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    # Page faults and kernel time per step: what an allocator that returns and re-maps
+    # the step's temporaries costs (user time: the step's own work on all threads).
     print(json.dumps({"step": step, "s": seconds, "rss_mib": _rss_mib(),
-                      "step_high_rss_mib": max(high[0], _rss_mib())}), flush=True)
+                      "step_high_rss_mib": max(high[0], _rss_mib()),
+                      "minflt": after.ru_minflt - before.ru_minflt,
+                      "user_s": after.ru_utime - before.ru_utime,
+                      "sys_s": after.ru_stime - before.ru_stime}), flush=True)
   done.set()
   print(json.dumps({"peak_rss_mib": _status_mib("VmHWM")}), flush=True)
 
 
 def environment(choice: str) -> dict:
-  """The environment a choice's process starts with (as the t5forge command's restart)."""
+  """The environment a choice's process starts with (as the t5forge command's restart).
+
+  `choice` may be followed by space-separated KEY=VALUE settings for that process
+  (e.g. `system MALLOC_ARENA_MAX=1`, `jemalloc:<conf> GLIBC_TUNABLES=...`).
+  """
   from t5forge import host_memory  # pylint: disable=import-outside-toplevel
+  choice, *extra = choice.split()
   env = {k: v for k, v in os.environ.items() if k not in (host_memory.MARKER, "MALLOC_CONF")}
+  for item in extra:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+      raise SystemExit(f"--choice {choice!r}: {item!r} is not KEY=VALUE")
+    env[key] = value
   if choice.startswith("jemalloc:"):
     env.update(T5FORGE_MALLOC="jemalloc", MALLOC_CONF=choice.split(":", 1)[1])
   else:
@@ -95,7 +114,7 @@ def measure(choice: str, args) -> dict:
   os.makedirs(log_dir, exist_ok=True)
   load = os.getloadavg()[0]
   name = "-".join([args.size, args.optimizer] + ["scan"] * args.scan
-                  + [choice.replace(":", "-").replace(",", "-")])
+                  + [re.sub(r"[^A-Za-z0-9_.=-]+", "-", choice)])
   with open(os.path.join(log_dir, f"allocators-{name}.log"), "w", encoding="utf-8") as log:
     out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=log,
                          text=True, check=True).stdout
@@ -105,10 +124,14 @@ def measure(choice: str, args) -> dict:
   rss = [x["rss_mib"] for x in steps]
   high = [x["step_high_rss_mib"] for x in steps]
   half = len(steps) // 2
+  timed = steps[args.skip:]
   return {"choice": choice, "malloc_conf": env.get("MALLOC_CONF"),
           "allocator": lines[0]["allocator"], "compile_s": lines[0]["compile_s"],
           "median_step_s": statistics.median(times), "mean_step_s": statistics.mean(times),
           "peak_rss_mib": lines[-1]["peak_rss_mib"],
+          "median_minflt": statistics.median(x["minflt"] for x in timed),
+          "median_user_s": statistics.median(x["user_s"] for x in timed),
+          "median_sys_s": statistics.median(x["sys_s"] for x in timed),
           "rss_mib_at": {"step_5": rss[min(4, len(rss) - 1)], "last": rss[-1]},
           # Flat over the run: the highest RSS within steps of the first and second half.
           "step_high_rss_mib": {"first_half": max(high[:half] or high),
@@ -123,7 +146,8 @@ def _gib(mib: float) -> str:
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--choice", action="append", dest="choices",
-                 help="a T5FORGE_MALLOC value (default = auto) or jemalloc:<MALLOC_CONF>; "
+                 help="a T5FORGE_MALLOC value (default = auto) or jemalloc:<MALLOC_CONF>, "
+                 "optionally followed by space-separated KEY=VALUE environment settings; "
                  "repeat for several (default: system, keep, default)")
   p.add_argument("--size", default="small", choices=sorted(shapes.SHAPES))
   p.add_argument("--model_dir", default=None, help="default: the bench cache's for --size")
@@ -162,7 +186,9 @@ def main(argv=None) -> None:
           f"peak RSS {_gib(r['peak_rss_mib'])} GiB, RSS after step 5 "
           f"{_gib(r['rss_mib_at']['step_5'])} / last {_gib(r['rss_mib_at']['last'])} GiB, "
           f"highest in steps of the 1st / 2nd half {_gib(r['step_high_rss_mib']['first_half'])}"
-          f" / {_gib(r['step_high_rss_mib']['second_half'])} GiB, load {r['load'][0]:.1f}-"
+          f" / {_gib(r['step_high_rss_mib']['second_half'])} GiB, per step "
+          f"{r['median_minflt']:.0f} minor faults, user {r['median_user_s']:.2f} s, "
+          f"sys {r['median_sys_s']:.2f} s, load {r['load'][0]:.1f}-"
           f"{r['load'][1]:.1f} [{r['allocator']}]", flush=True)
   print(f"load {load[0]:.2f} at start, {record['load_at_end'][0]:.2f} at end; wrote {path}")
 
