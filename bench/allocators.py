@@ -5,10 +5,13 @@ is reversed every other case, so that no choice always runs first), started with
 environment the `t5forge` command would restart itself with (t5forge.host_memory.plan),
 so the numbers are the command line's. Choices: a T5FORGE_MALLOC value (`default` is
 `auto`, the default), or `jemalloc:<MALLOC_CONF>` for jemalloc with other settings (for
-A/B runs of the settings). Each process compiles ours' training step (bench/ours.py
-setup_train: the bench cache's model for --size, fp32), runs it --steps times and records
+A/B runs of the settings), either followed by space-separated KEY=VALUE environment
+settings (`"system GLIBC_TUNABLES=glibc.malloc.hugetlb=1"`). Each process compiles ours'
+training step (bench/ours.py setup_train: the bench cache's model for --size, fp32), runs
+it --steps times and records
 every step's seconds, resident memory after the step (VmRSS) and the highest RSS seen
-during the step (a thread reads /proc/self/statm every 5 ms), and the peak (VmHWM).
+during the step (a thread reads /proc/self/statm every 5 ms), its minor page faults and
+user / system CPU seconds (getrusage), and the peak (VmHWM).
 Prints a line per choice; writes bench/results/allocators_<size>_<optimizer>[_scan].json
 after each.
 """
