@@ -328,9 +328,13 @@ class _Run:
     """Compiles the training step for `batch` ahead of its first call and stops with one
     line when one device would need more memory than it has (`device_memory`). The call
     that follows reuses this executable from jit's cache: still one compilation
-    (tests/test_device_memory.py counts them)."""
+    (tests/test_device_memory.py counts them). A device that reports no limit (CPU)
+    is not checked, so the step is not lowered ahead there."""
+    device = jax.local_devices()[0]
+    if device_memory.limit_bytes(device) is None:
+      return
     compiled = self.train_step.lower(self.state, batch).compile()
-    device_memory.check_step_fits(compiled, device=jax.local_devices()[0],
+    device_memory.check_step_fits(compiled, device=device,
                                   batch_size=self.global_batch, config=self.model.config,
                                   num_microbatches=self.num_microbatches)
 
