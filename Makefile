@@ -9,8 +9,9 @@
 # `chromedriver` is not on PATH, the browser target installs Debian's chromium and
 # chromium-driver with apt-get (root, or sudo when not root; a few minutes, ~300 MB); when
 # both are present it does nothing.  Every target but clean also installs Debian's jemalloc
-# when it is missing and apt-get can run (the allocator target; t5forge preloads it by
-# default, see t5forge/host_memory.py), and carries on without it otherwise.
+# when it is missing and apt-get can run (the allocator target; t5forge preloads it where
+# glibc's malloc cannot use transparent huge pages, see t5forge/host_memory.py), and carries
+# on without it otherwise.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -50,9 +51,9 @@ browser:
 	  $(SUDO) apt-get update && \
 	  $(SUDO) apt-get install -y --no-install-recommends chromium chromium-driver; fi
 
-# The host allocator `t5forge` preloads by default (T5FORGE_MALLOC=auto, t5forge/host_memory.py):
-# Debian's jemalloc, ~1 MB. Without root, sudo or apt-get this only says so, and t5forge runs
-# on the system malloc.
+# The host allocator `t5forge` falls back to (T5FORGE_MALLOC=auto, t5forge/host_memory.py) where
+# glibc's malloc cannot use transparent huge pages (glibc < 2.35, or the kernel's are off):
+# Debian's jemalloc, ~1 MB. Without root, sudo or apt-get this only says so.
 allocator:
 	@if ls /usr/lib/*/libjemalloc.so.2 >/dev/null 2>&1; then :; \
 	elif command -v apt-get >/dev/null && { [ "$$(id -u)" = 0 ] || sudo -n true 2>/dev/null; }; then \

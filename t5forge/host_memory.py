@@ -9,17 +9,25 @@ and returns them with `munmap`, so the next step touches new pages again: measur
 
 T5FORGE_MALLOC picks what the `t5forge` command does about it:
 
-- `auto` (the default): jemalloc where it is installed (Debian: `libjemalloc2`; `make
-  venv` installs it where it can), else the system allocator. With SETTINGS below it
-  reuses freed pages and returns idle ones to the system: on a 2-core AMD EPYC
-  (flan-t5-small, batch 4, docs/performance.md) with Adafactor steps 2% slower than
-  `keep`'s and 15% shorter than the system malloc's, peak RSS 13% below the system
-  malloc's, flat; with AdamW over 50 steps peak RSS 9% below the system malloc's (with
-  scan 5% below the unscanned system's), flat (with an arena per thread, before
-  `narenas:1`, the peak was 29% above).
+- `auto` (the default): `hugepages` where glibc and the kernel allow it, else jemalloc
+  where it is installed (Debian: `libjemalloc2`; `make venv` installs it where it can),
+  else the system allocator.
+- `hugepages`: glibc's own malloc with transparent huge pages for its blocks
+  (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, glibc 2.35+, the kernel's
+  /sys/kernel/mm/transparent_hugepage/enabled `always` or `madvise`). glibc still maps
+  each step's temporaries afresh and unmaps them after, so resident memory stays bounded
+  like the system malloc's, but the kernel faults them in 2 MiB at a time: ~1,600 faults
+  a step instead of ~480,000 (flan-t5-small, batch 4), and on a 2-core AMD EPYC the step
+  was 0.96x `keep`'s, peak RSS 0.99x the system malloc's, flat (docs/performance.md).
+  What is left is the kernel zeroing the fresh pages. Where it cannot work (not glibc,
+  glibc < 2.35, huge pages `never`), a one-line note and the system allocator.
 - `jemalloc` / `tcmalloc`: that library, or the system allocator with a one-line note
-  when it cannot be loaded. gperftools' tcmalloc (Debian `libtcmalloc-minimal4`) is not
-  chosen by `auto`: its steps were 57% slower than the system malloc's, 4.8 GiB peak.
+  when it cannot be loaded. jemalloc (SETTINGS below: one arena, freed pages reused and
+  idle ones returned after 1 s) was `auto` before `hugepages`: 1.13-1.23x `keep`'s step,
+  because the 1 s decay returns the step's block between steps and it is faulted in again
+  4 KiB at a time; peak RSS ~13% below the system malloc's. gperftools' tcmalloc (Debian
+  `libtcmalloc-minimal4`) is not chosen by `auto`: its steps were 57% slower than the
+  system malloc's, 4.8 GiB peak.
 - `keep`: glibc's malloc with one arena, no `mmap` for large blocks and no trimming
   (`keep_freed_memory`). Fast, but XLA releases a step's temporaries a moment after the
   step's outputs are ready, so the next step's can be allocated while the last one's
@@ -29,10 +37,11 @@ T5FORGE_MALLOC picks what the `t5forge` command does about it:
 - `system`: the C library's malloc as it is.
 - a path (containing `/`): that malloc library, as for `tcmalloc`.
 
-An allocator must be in place before the process allocates anything, so `reexec()` runs
-the same command line again once, with the library in LD_PRELOAD (os.execve: same pid,
+An allocator must be in place before the process allocates anything, and glibc reads its
+tunables only when a program starts, so `reexec()` runs the same command line again once,
+with the library in LD_PRELOAD or the tunable in GLIBC_TUNABLES (os.execve: same pid,
 arguments, open files and exit status). `keep` needs no restart: mallopt before JAX starts.
-Processes the command starts inherit LD_PRELOAD and the marker, so they use the same
+Processes the command starts inherit the environment and the marker, so they use the same
 allocator and do not restart.
 """
 from __future__ import annotations
@@ -45,14 +54,17 @@ import subprocess
 import sys
 
 ENV = "T5FORGE_MALLOC"
-CHOICES = ("auto", "tcmalloc", "jemalloc", "keep", "system")
+CHOICES = ("auto", "hugepages", "jemalloc", "tcmalloc", "keep", "system")
 # Set on the re-executed process: the allocator it was started with ("system" after a
 # failed load), so that it does not restart again and can say what it runs with.
 MARKER = "T5FORGE_MALLOC_CHOSEN"
 # Sonames, first found wins (the full tcmalloc has the same allocator plus a profiler).
 LIBRARIES = {"tcmalloc": ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"),
              "jemalloc": ("libjemalloc.so.2",)}
-AUTO_ORDER = ("jemalloc",)
+AUTO_ORDER = ("hugepages", "jemalloc")
+# glibc's tunable for transparent huge pages on malloc's mmap'd blocks and heap (2.35+).
+HUGEPAGES_TUNABLE = "glibc.malloc.hugetlb=1"
+THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 # Settings each library reads from the environment (set only where the user has not).
 SETTINGS = {
     # gperftools prints a line with a stack trace for every allocation above 1 GiB by
@@ -89,7 +101,8 @@ def setting(environ=None) -> str:
     return value
   if value.lower() not in CHOICES:
     raise ValueError(f"{ENV}={value!r}: expected one of {', '.join(CHOICES)} or the path "
-                     "of a malloc library (auto: jemalloc where installed)")
+                     "of a malloc library (auto: hugepages where the system allows, else "
+                     "jemalloc where installed)")
   return value.lower()
 
 
@@ -98,6 +111,34 @@ def _kind(path: str) -> str:
   base = os.path.basename(path)
   return next((n for n, sonames in LIBRARIES.items()
                if any(base.startswith(s.split(".so")[0]) for s in sonames)), "library")
+
+
+def hugepages_problem(libc=None, thp_path=THP_ENABLED) -> str | None:
+  """Why glibc's malloc cannot use transparent huge pages here, or None when it can.
+
+  `libc`: (name, version) as platform.libc_ver() gives them; `thp_path`: the kernel's
+  setting, e.g. "always [madvise] never" (the bracketed word is the mode).
+  """
+  if platform.system() != "Linux":
+    return f"needs Linux (this is {platform.system()})"
+  name, version = libc if libc is not None else platform.libc_ver()
+  if name != "glibc":
+    return f"needs glibc's malloc (this C library is {name or 'unknown'})"
+  try:
+    major_minor = tuple(int(x) for x in version.split(".")[:2])
+  except ValueError:
+    major_minor = (0, 0)
+  if major_minor < (2, 35):
+    return f"needs glibc 2.35+ for {HUGEPAGES_TUNABLE.split('=')[0]} (this is {version})"
+  try:
+    with open(thp_path, encoding="utf-8") as f:
+      modes = f.read()
+  except OSError:
+    return f"the kernel has no transparent huge pages ({thp_path} is missing)"
+  mode = modes[modes.find("[") + 1:modes.find("]")] if "[" in modes else modes.strip()
+  if mode not in ("always", "madvise"):
+    return f"transparent huge pages are off ({thp_path} is {mode!r})"
+  return None
 
 
 def find_library(name: str) -> str | None:
@@ -129,28 +170,44 @@ def _loads(path: str) -> str | None:
   return None
 
 
-def plan(environ=None, find=find_library, loads=_loads) -> tuple[dict | None, str | None]:
+def plan(environ=None, find=find_library, loads=_loads,
+         hugepages=hugepages_problem) -> tuple[dict | None, str | None]:
   """What reexec() would do: (environment to restart with or None, note or None).
 
   None for the environment: keep this process as it is (T5FORGE_MALLOC=system or keep,
-  already restarted, not Linux, or no library could be loaded; the note says which).
+  already restarted, not Linux, or nothing could be used; the note says which).
+  `find`, `loads` and `hugepages` are the checks, replaceable in tests.
   """
   environ = dict(os.environ if environ is None else environ)
   choice = setting(environ)
   if environ.get(MARKER) or choice in ("system", "keep") or platform.system() != "Linux":
     return None, None
   names = AUTO_ORDER if choice == "auto" else (choice,)
-  problems = []
+  problems, silent = [], []  # silent: what `auto` passes over without a note
   for name in names:
+    if name == "hugepages":
+      problem = hugepages()
+      if problem is not None:
+        problems.append(f"glibc malloc with huge pages: {problem}")
+        silent.append(True)
+        continue
+      env = dict(environ)
+      tunables = environ.get("GLIBC_TUNABLES", "")
+      if HUGEPAGES_TUNABLE.split("=")[0] + "=" not in tunables:  # the user's value wins
+        env["GLIBC_TUNABLES"] = ":".join(t for t in (tunables, HUGEPAGES_TUNABLE) if t)
+      env[MARKER] = "hugepages"
+      return env, None
     path = name if "/" in name else find(name)
     name = _kind(path) if path else name
     if path is None:
       problems.append(f"{name} is not installed (Debian: apt-get install "
                       f"{'libtcmalloc-minimal4' if name == 'tcmalloc' else 'libjemalloc2'})")
+      silent.append(True)
       continue
     error = loads(path)
     if error is not None:
       problems.append(f"{path} cannot be loaded ({error})")
+      silent.append(False)
       continue
     env = dict(environ)
     for key, value in SETTINGS.get(name, {}).items():
@@ -158,8 +215,8 @@ def plan(environ=None, find=find_library, loads=_loads) -> tuple[dict | None, st
     env["LD_PRELOAD"] = " ".join(p for p in (path, environ.get("LD_PRELOAD", "")) if p)
     env[MARKER] = name
     return env, None
-  if choice == "auto" and all("not installed" in p for p in problems):
-    return None, None  # nothing to load: the system allocator, as documented, no note
+  if choice == "auto" and all(silent):
+    return None, None  # nothing to use: the system allocator, as documented, no note
   return None, f"t5forge: note: {ENV}={choice}: {'; '.join(problems)}; using the system allocator"
 
 
@@ -204,19 +261,25 @@ def describe() -> str:
   name = loaded_allocator()
   if name:
     return f"host memory: {name} ({ENV}={setting()})"
+  if (os.environ.get(MARKER) == "hugepages"
+      and HUGEPAGES_TUNABLE in os.environ.get("GLIBC_TUNABLES", "").split(":")):
+    return f"host memory: glibc malloc with transparent huge pages ({ENV}={setting()})"
   if _applied:
     return f"host memory: glibc malloc keeping freed memory ({ENV}=keep)"
   choice = setting()
   why = ""
   if os.environ.get(MARKER) == "system":
-    why = ": the chosen library could not be loaded"
+    why = ": the chosen allocator could not be used"
+  elif os.environ.get(MARKER) == "hugepages":
+    why = f": GLIBC_TUNABLES does not set {HUGEPAGES_TUNABLE}"
   elif "/" in choice:
     why = ": not preloaded (only the t5forge command restarts itself with it)"
   elif choice != "system":
     names = AUTO_ORDER if choice == "auto" else (choice,)
-    why = (": not preloaded (only the t5forge command restarts itself with it)"
-           if any(find_library(n) for n in names) else
-           f": {' or '.join(names)} is not installed")
+    usable = any(hugepages_problem() is None if n == "hugepages" else find_library(n)
+                 for n in names)
+    why = (": not in effect (only the t5forge command restarts itself with it)" if usable
+           else f": {' or '.join(names)} cannot be used here")
   return f"host memory: system malloc ({ENV}={choice}{why})"
 
 

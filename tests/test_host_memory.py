@@ -53,5 +53,6 @@ def test_bad_malloc_setting_is_a_one_line_cli_error():
                         capture_output=True, text=True, check=False)
   assert proc.returncode == 2
   assert proc.stderr.strip().splitlines() == [
-      "t5forge: error: T5FORGE_MALLOC='kept': expected one of auto, tcmalloc, jemalloc, keep, "
-      "system or the path of a malloc library (auto: jemalloc where installed)"]
+      "t5forge: error: T5FORGE_MALLOC='kept': expected one of auto, hugepages, jemalloc, "
+      "tcmalloc, keep, system or the path of a malloc library (auto: hugepages where the "
+      "system allows, else jemalloc where installed)"]
