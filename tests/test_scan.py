@@ -157,3 +157,25 @@ def test_scanned_bfloat16_gradient_equals_the_loop(hf_dirs):
   for name, w in want.items():
     err = np.abs(got[name] - w).max() / (np.abs(w).max() + 1e-12)
     assert err < 0.02, (name, err)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_scanned_mlp_keeps_its_activation(dtype):
+  """A scanned stack keeps the tanh of the gated-GELU MLP (`layers.MlpBlock`, float32
+  after the projection) for its backward loop instead of recomputing it there from the
+  saved projection: that recompute, with the tanh's derivative, took the MLP's gradient
+  fusion from 0.41 to 0.87 s of a flan-t5-small bf16 step's op time (AMD EPYC)."""
+  from t5forge.nn import layers  # pylint: disable=import-outside-toplevel
+  mlp = layers.MlpBlock(intermediate_dim=16, activations=("gelu", "linear"), dtype=dtype)
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 8, 4)), jnp.float32)
+  params = mlp.init(jax.random.key(0), x, True)
+
+  def f(params, x):
+    return mlp.apply(params, x, True).astype(jnp.float32).sum()
+
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    jax.ad_checkpoint.print_saved_residuals(
+        jax.checkpoint(f, policy=stack.scan_saveable), params, x)
+  tanh = [line for line in out.getvalue().splitlines() if "output of tanh" in line]
+  assert [line.split()[0] for line in tanh] == ["f32[2,8,16]"], out.getvalue()

@@ -34,12 +34,17 @@ REMAT_POLICIES = {
 # to recompute (matmuls, the hand-written projections and attention, reductions, random
 # bits) and recomputing the rest inside the backward loop, where XLA fuses it again,
 # carries 1.1 GiB (docs/performance.md, "Scan over layers").
+# The transcendental activations (tanh of the gated-GELU MLP, logistic of SiLU, erf of
+# the exact GELU) are kept too. Recomputing the tanh over flan-t5-small's float32
+# [b, l, f] MLP input in the backward loop made the MLP's gradient fusion take 0.87 s of
+# a bf16 step's op time, 0.41 s with the tanh kept (the layer loop's: 0.37 s; AMD EPYC);
+# the kept tanh is one more float32 [layers, b, l, f] stack (+0.16 GiB there).
 _SCAN_SAVED = frozenset({
     "dot_general", "custom_vjp_call", "custom_vjp_call_jaxpr", "conv_general_dilated",
     "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin", "cumsum",
     "cumlogsumexp", "cummax", "cummin", "sort", "gather", "scatter", "scatter-add",
     "threefry2x32", "random_bits", "random_seed", "random_fold_in", "random_split",
-    "random_wrap", "random_unwrap"})
+    "random_wrap", "random_unwrap", "tanh", "logistic", "erf"})
 
 
 # The checkpoint name of values that a scanned stack keeps as well (see `keep`).
