@@ -60,8 +60,8 @@ allocator:
 	  echo "installing Debian's libjemalloc2 (faster host memory)"; \
 	  { $(SUDO) apt-get update -qq && \
 	    $(SUDO) apt-get install -y -qq libjemalloc2; } || \
-	  echo "note: could not install jemalloc; t5forge will use the system malloc"; \
-	else echo "note: no apt-get or root for jemalloc; t5forge will use the system malloc"; fi
+	  echo "note: could not install jemalloc; where huge pages cannot work t5forge will use the system malloc"; \
+	else echo "note: no apt-get or root for jemalloc; where huge pages cannot work t5forge will use the system malloc"; fi
 
 # Two worker processes, each test file in one of them (module fixtures such as a server
 # are built once): much of the suite is single-threaded compiling and process start-up.
