@@ -120,7 +120,7 @@ def run_train(ctx: Context, size: str, peaks: dict[str, float]) -> dict:
         r["warmup_s"] = warm_up(w, "step", min_runs=plan.warmup_runs,
                                 max_runs=plan.max_warmup_runs)
       log(f"train {shape.name}: timing {', '.join(r['label'] for r in group_rows)}")
-      timings = alternate([(w, "step") for w in workers], ctx.rounds)
+      timings = alternate([(w, "step") for w in workers], ctx.rounds, lead_in=1)
       for w, r in zip(workers, group_rows):
         r.update(timings[(w.label, "step")])
         r["peak_rss_mib"] = w.peak_rss_mib()

@@ -186,8 +186,17 @@ def warm_up(worker: Worker, name: str, *, min_runs: int, max_runs: int,
   return [round(t, 4) for t in times]
 
 
-def alternate(jobs: list[tuple[Worker, str]], rounds: int) -> dict[tuple[str, str], dict]:
+def alternate(jobs: list[tuple[Worker, str]], rounds: int,
+              lead_in: int = 0) -> dict[tuple[str, str], dict]:
   """Times every (worker, job) once per round, round-robin, for `rounds` rounds.
+
+  lead_in: untimed runs of the same job just before each timed one, so that a timed
+  training step follows a step of its own, as in a training loop. Memory a process freed
+  and left unused for a few seconds may have to be faulted in again (glibc and jemalloc
+  give it back to the kernel; on a VM with free page reporting, such as the Firecracker
+  machines this project ran on, the kernel gives it to the host, and a step after another
+  framework's step then spent 5-6 s more in the kernel: docs/performance.md, "Freed memory
+  and the host").
 
   Returns:
     {(worker label, job name): {"median_s", "runs_s"}}.
@@ -195,6 +204,8 @@ def alternate(jobs: list[tuple[Worker, str]], rounds: int) -> dict[tuple[str, st
   runs: dict[tuple[str, str], list[float]] = {(w.label, name): [] for w, name in jobs}
   for r in range(rounds):
     for w, name in jobs:
+      for _ in range(lead_in):
+        w.run(name)
       runs[(w.label, name)].append(w.run(name))
     log(f"  round {r + 1}/{rounds} done")
   return {k: {"median_s": statistics.median(v), "runs_s": [round(x, 4) for x in v]}
