@@ -3,7 +3,8 @@
 One process (started with the allocator the `t5forge` command would use) compiles ours'
 training step (bench/ours.py setup_train: Adafactor, the bench cache's model for --size)
 unscanned and scanned in each --dtypes, then runs the four steps in turn for --rounds
-rounds, so that all of them see the same machine load. Prints the compile seconds, the
+rounds, so that all of them see the same machine load; each timed step follows --lead_in
+untimed steps of its own variant. Prints the compile seconds, the
 median step seconds (wall and process CPU, which other sessions' load inflates less) and
 the scanned/unscanned ratios; writes bench/results/scan_<size>.json.
 """
@@ -37,6 +38,8 @@ def child(args) -> None:
   load = [os.getloadavg()[0]]
   for _ in range(args.rounds):
     for row in rows:
+      for _ in range(args.lead_in):  # untimed: see bench.workers.alternate's lead_in
+        runs[(row["dtype"], row["scan"])]()
       cpu, wall = time.process_time(), time.perf_counter()
       runs[(row["dtype"], row["scan"])]()
       row["wall_s"].append(time.perf_counter() - wall)
@@ -54,6 +57,9 @@ def main(argv=None) -> None:
   p.add_argument("--batch", type=int, default=8)
   p.add_argument("--input_length", type=int, default=512)
   p.add_argument("--target_length", type=int, default=114)
+  p.add_argument("--lead_in", type=int, default=1,
+                 help="untimed steps of the same variant right before each timed one, so "
+                      "that a timed step follows its own, as in a training loop")
   p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   args.model_dir = prepare.model_dir(args.size, args.model_dir)
@@ -65,7 +71,7 @@ def main(argv=None) -> None:
   if note:
     print(note, file=sys.stderr)
   cmd = [sys.executable, "-m", "bench.scan", "--child", "--model_dir", args.model_dir,
-         "--dtypes", args.dtypes, "--rounds", str(args.rounds), "--batch", str(args.batch),
+         "--dtypes", args.dtypes, "--rounds", str(args.rounds), "--lead_in", str(args.lead_in), "--batch", str(args.batch),
          "--input_length", str(args.input_length), "--target_length", str(args.target_length)]
   out = subprocess.run(cmd, env=env or dict(os.environ), stdout=subprocess.PIPE, text=True,
                        check=True).stdout
