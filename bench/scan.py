@@ -71,8 +71,9 @@ def main(argv=None) -> None:
   if note:
     print(note, file=sys.stderr)
   cmd = [sys.executable, "-m", "bench.scan", "--child", "--model_dir", args.model_dir,
-         "--dtypes", args.dtypes, "--rounds", str(args.rounds), "--lead_in", str(args.lead_in), "--batch", str(args.batch),
-         "--input_length", str(args.input_length), "--target_length", str(args.target_length)]
+         "--dtypes", args.dtypes, "--rounds", str(args.rounds), "--lead_in", str(args.lead_in),
+         "--batch", str(args.batch), "--input_length", str(args.input_length),
+         "--target_length", str(args.target_length)]
   out = subprocess.run(cmd, env=env or dict(os.environ), stdout=subprocess.PIPE, text=True,
                        check=True).stdout
   result = json.loads([x for x in out.splitlines() if x.startswith("{")][-1])

@@ -18,7 +18,8 @@ T5FORGE_MALLOC picks what the `t5forge` command does about it:
   each step's temporaries afresh and unmaps them after, so resident memory stays bounded
   like the system malloc's, but the kernel faults them in 2 MiB at a time: ~1,600 faults
   a step instead of ~480,000 (flan-t5-small, batch 4), and on a 2-core AMD EPYC the step
-  was 0.96x `keep`'s, peak RSS 0.99x the system malloc's, flat (docs/performance.md).
+  was 0.99-1.02x `keep`'s, peak RSS 0.99-1.02x the system malloc's, flat over 50 steps
+  (docs/performance.md).
   What is left is the kernel zeroing the fresh pages. Where it cannot work (not glibc,
   glibc < 2.35, huge pages `never`), a one-line note and the system allocator.
 - `jemalloc` / `tcmalloc`: that library, or the system allocator with a one-line note
@@ -193,7 +194,7 @@ def plan(environ=None, find=find_library, loads=_loads,
         continue
       env = dict(environ)
       tunables = environ.get("GLIBC_TUNABLES", "")
-      if HUGEPAGES_TUNABLE.split("=")[0] + "=" not in tunables:  # the user's value wins
+      if _hugetlb(tunables) is None:  # the user's own value wins
         env["GLIBC_TUNABLES"] = ":".join(t for t in (tunables, HUGEPAGES_TUNABLE) if t)
       env[MARKER] = "hugepages"
       return env, None
@@ -256,14 +257,23 @@ def loaded_allocator() -> str | None:
   return None
 
 
+def _hugetlb(tunables: str) -> str | None:
+  """The value GLIBC_TUNABLES (`name=value:name=value`) gives glibc.malloc.hugetlb, or None."""
+  key = HUGEPAGES_TUNABLE.split("=")[0]
+  values = [t.partition("=")[2] for t in tunables.split(":") if t.partition("=")[0] == key]
+  return values[-1] if values else None
+
+
 def describe() -> str:
   """One line for a run's startup output: the allocator this process runs with."""
   name = loaded_allocator()
   if name:
     return f"host memory: {name} ({ENV}={setting()})"
-  if (os.environ.get(MARKER) == "hugepages"
-      and HUGEPAGES_TUNABLE in os.environ.get("GLIBC_TUNABLES", "").split(":")):
-    return f"host memory: glibc malloc with transparent huge pages ({ENV}={setting()})"
+  hugetlb = _hugetlb(os.environ.get("GLIBC_TUNABLES", ""))
+  if os.environ.get(MARKER) == "hugepages" and hugetlb not in (None, "0"):
+    # 1: transparent huge pages; 2 (the user's): hugetlbfs pages reserved by the admin.
+    pages = "transparent huge pages" if hugetlb == "1" else f"huge pages (hugetlb={hugetlb})"
+    return f"host memory: glibc malloc with {pages} ({ENV}={setting()})"
   if _applied:
     return f"host memory: glibc malloc keeping freed memory ({ENV}=keep)"
   choice = setting()
@@ -271,7 +281,9 @@ def describe() -> str:
   if os.environ.get(MARKER) == "system":
     why = ": the chosen allocator could not be used"
   elif os.environ.get(MARKER) == "hugepages":
-    why = f": GLIBC_TUNABLES does not set {HUGEPAGES_TUNABLE}"
+    key = HUGEPAGES_TUNABLE.split("=")[0]
+    why = (f": GLIBC_TUNABLES does not set {key}" if hugetlb is None else
+           f": GLIBC_TUNABLES sets {key}={hugetlb}")
   elif "/" in choice:
     why = ": not preloaded (only the t5forge command restarts itself with it)"
   elif choice != "system":

@@ -263,3 +263,22 @@ def test_hugepages_backs_glibcs_large_blocks_with_huge_pages_where_the_kernel_al
   with open(host_memory.THP_ENABLED, encoding="utf-8") as f:
     if "[madvise]" in f.read():  # then only marked blocks get huge pages: the tunable's doing
       assert _huge_mib(base) == 0
+
+
+@pytest.mark.parametrize("tunables,said", [
+    ("glibc.malloc.hugetlb=1", "glibc malloc with transparent huge pages"),
+    ("glibc.mem.tagging=0:glibc.malloc.hugetlb=2", "glibc malloc with huge pages (hugetlb=2)"),
+    ("glibc.malloc.hugetlb=0", "system malloc (T5FORGE_MALLOC=hugepages: GLIBC_TUNABLES sets "
+                               "glibc.malloc.hugetlb=0)"),
+    ("glibc.malloc.hugetlb_x=1", "system malloc (T5FORGE_MALLOC=hugepages: GLIBC_TUNABLES "
+                                 "does not set glibc.malloc.hugetlb)")])
+def test_describe_reads_the_hugetlb_tunable_the_process_started_with(monkeypatch, tunables,
+                                                                     said):
+  # The user's own hugetlb value wins over ours (plan), so the startup line reports that one.
+  monkeypatch.setenv("T5FORGE_MALLOC", "hugepages")
+  monkeypatch.setenv(host_memory.MARKER, "hugepages")
+  monkeypatch.setenv("GLIBC_TUNABLES", tunables)
+  monkeypatch.setattr(host_memory, "loaded_allocator", lambda: None)  # whatever runs pytest
+  monkeypatch.setattr(host_memory, "_applied", False)
+  assert host_memory.describe() == f"host memory: {said}" + (
+      " (T5FORGE_MALLOC=hugepages)" if said.startswith("glibc") else "")
