@@ -55,7 +55,7 @@ def test_index_goes_to_cache_dir_when_directory_is_read_only(tmp_path, cache, mo
     src = sources.LineSource(str(d / "t.txt"))
     assert [src[i]["text"] for i in range(len(src))] == ["one", "two"]
     assert not any(n.endswith(".npy") for n in os.listdir(d))
-    assert any(n.endswith(".idx.npy") for n in os.listdir(cache / "lines"))
+    assert any(n.endswith(".t5forge-lines.npy") for n in os.listdir(cache / "lines"))
   finally:
     os.chmod(d, 0o755)
 

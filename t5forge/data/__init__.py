@@ -12,9 +12,12 @@ from t5forge.data import preprocessors
 from t5forge.data.converters import (EncDecFeatureConverter, FeatureConverter, LMFeatureConverter,
                                      PrefixLMFeatureConverter, get_converter)
 from t5forge.data.preprocessors import CacheDatasetPlaceholder, map_over_dataset
+from t5forge.data.records import TFExampleDataSource, TFRecordDataSource
 from t5forge.data.sources import (ArrayRecordDataSource, DataSource, FunctionDataSource,
                                   InMemoryDataSource, JsonlDataSource, TextLineDataSource,
                                   TsvDataSource)
+from t5forge.data.tf_example import FixedLenFeature, FixedLenSequenceFeature, VarLenFeature
+from t5forge.data.tfds import TfdsDataSource, TfdsSplit, set_tfds_data_dir_override
 from t5forge.data.tasks import (Feature, Mixture, MixtureRegistry, ShardInfo, Task, TaskRegistry,
                                 get_dataset, get_mixture_or_task, get_vocabulary,
                                 import_task_module, mixing_rate_num_examples,
@@ -40,12 +43,14 @@ def __getattr__(name):
 
 __all__ = [
     "ArrayRecordDataSource", "ByteVocabulary", "CacheDatasetPlaceholder", "DataSource",
-    "EncDecFeatureConverter", "Feature", "FeatureConverter", "FunctionDataSource",
-    "InMemoryDataSource", "JsonlDataSource", "LMFeatureConverter", "Mixture", "MixtureRegistry",
-    "PassThroughVocabulary", "PrefixLMFeatureConverter", "SentencePieceVocabulary", "ShardInfo",
-    "Task", "TaskRegistry", "TextLineDataSource", "TsvDataSource", "Vocabulary", "bundled_tasks",
+    "EncDecFeatureConverter", "Feature", "FeatureConverter", "FixedLenFeature",
+    "FixedLenSequenceFeature", "FunctionDataSource", "InMemoryDataSource", "JsonlDataSource",
+    "LMFeatureConverter", "Mixture", "MixtureRegistry", "PassThroughVocabulary",
+    "PrefixLMFeatureConverter", "SentencePieceVocabulary", "ShardInfo", "TFExampleDataSource",
+    "TFRecordDataSource", "Task", "TaskRegistry", "TextLineDataSource", "TfdsDataSource",
+    "TfdsSplit", "TsvDataSource", "VarLenFeature", "Vocabulary", "bundled_tasks",
     "get_converter", "get_dataset", "get_mixture_or_task", "get_vocabulary", "import_task_module",
-    "map_over_dataset",
-    "mixing_rate_num_examples", "preprocessors", "ul2", "ul2_objective", "with_vocabulary",
+    "map_over_dataset", "mixing_rate_num_examples", "preprocessors",
+    "set_tfds_data_dir_override", "ul2", "ul2_objective", "with_vocabulary",
     *_PIPELINE_NAMES,
 ]

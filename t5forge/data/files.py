@@ -24,7 +24,8 @@ import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterator, Sequence
+import zlib
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -162,34 +163,98 @@ def _key(path: str) -> str:
   return hashlib.sha1(f"{os.path.abspath(path)}|{size}|{mtime}".encode()).hexdigest()[:20]
 
 
-def _plain_copy(path: str) -> str:
-  """Returns a seekable uncompressed file for `path` (decompressing .gz once)."""
-  if not path.endswith(".gz"):
+def is_gzip(path: str) -> bool:
+  """Whether the file starts with gzip's magic bytes."""
+  with open(path, "rb") as f:
+    return f.read(2) == b"\x1f\x8b"
+
+
+def plain_copy(path: str, compression: str | None = None) -> str:
+  """Returns a seekable uncompressed file for `path`, decompressing it once into the cache dir.
+
+  Args:
+    path: the file.
+    compression: 'GZIP', 'ZLIB', '' (none), or None: gzip when the name ends in `.gz`.
+  """
+  if compression is None:
+    compression = "GZIP" if path.endswith(".gz") else ""
+  if not compression:
     return path
-  out = os.path.join(cache_root(), "lines", f"{_key(path)}-{os.path.basename(path)[:-3]}")
+  name = os.path.basename(path)
+  name = name[:-3] if name.endswith(".gz") else name + ".plain"
+  out = os.path.join(cache_root(), "lines", f"{_key(path)}-{name}")
   if not os.path.exists(out):
     fd, tmp = make_temp(out)
     try:
-      with os.fdopen(fd, "wb") as dst, gzip.open(path, "rb") as src:
-        while block := src.read(_CHUNK):
-          dst.write(block)
+      with os.fdopen(fd, "wb") as dst:
+        if compression == "GZIP":
+          with gzip.open(path, "rb") as src:
+            while block := src.read(_CHUNK):
+              dst.write(block)
+        else:  # ZLIB: one zlib stream, as TensorFlow's ZLIB record option writes
+          inflate = zlib.decompressobj()
+          with open(path, "rb") as src:
+            while block := src.read(_CHUNK):
+              dst.write(inflate.decompress(block))
+          dst.write(inflate.flush())
+          if not inflate.eof:
+            raise EOFError("the zlib stream ends early")
       _publish(tmp, out)
-    except (OSError, EOFError) as e:
+    except (OSError, EOFError, zlib.error) as e:
       if os.path.exists(tmp):
         os.unlink(tmp)
-      raise UserError(f"{path}: cannot decompress ({e}); is it a complete gzip file?") from None
+      raise UserError(f"{path}: cannot decompress as {compression} ({e}); is it a complete "
+                      f"{compression.lower()} file?") from None
   return out
 
 
-def _index_paths(plain: str, origin: str) -> list[str]:
+def _index_paths(plain: str, origin: str, suffix: str) -> list[str]:
   """Where an index may live: next to the file first, then in the cache dir (only there
   with the cache off: nothing is left beside the user's data)."""
-  name = f".{os.path.basename(plain)}.t5forge-lines.npy"
+  name = f".{os.path.basename(plain)}.{suffix}"
   beside = os.path.join(os.path.dirname(os.path.abspath(plain)), name)
-  cached = os.path.join(cache_root(), "lines", f"{_key(plain)}.idx.npy")
+  cached = os.path.join(cache_root(), "lines", f"{_key(plain)}.{suffix}")
   if plain != origin:  # a decompressed copy already lives in the cache dir
     return [beside]
   return [beside, cached] if cache_enabled() else [cached]
+
+
+def load_index(path: str, plain: str, suffix: str,
+               build: Callable[[str, str], np.ndarray]) -> np.ndarray:
+  """A per-file index, built once and cached, rebuilt when the file changes.
+
+  Args:
+    path: the user's file (for messages).
+    plain: the seekable file the index describes (`plain_copy(path)`).
+    suffix: names the kind of index (`t5forge-lines.npy`, ...).
+    build: `(plain, path) -> int64 [n + 1, k]` whose row 0 starts with the file's
+      (size, mtime_ns) (`stamp`).
+
+  Returns:
+    The index without its stamp row, `[n, k]`, memory-mapped when it was cached.
+  """
+  current = stamp(plain)
+  candidates = _index_paths(plain, path, suffix)
+  for cand in candidates:
+    if os.path.exists(cand):
+      try:
+        index = np.load(cand, mmap_mode="r")
+        if index.ndim == 2 and tuple(index[0, :2]) == current:
+          return index[1:]
+      except (OSError, ValueError):
+        pass  # a corrupt or foreign file: rebuild below
+  index = build(plain, path)
+  for cand in candidates:
+    try:
+      os.makedirs(os.path.dirname(cand), exist_ok=True)
+      fd, tmp = tempfile.mkstemp(dir=os.path.dirname(cand), prefix=".tmp-", suffix=".npy")
+      with os.fdopen(fd, "wb") as f:
+        np.save(f, index)
+      _publish(tmp, cand)
+      break
+    except OSError:
+      continue  # read-only directory: fall back to the cache dir
+  return index[1:]
 
 
 def _build_index(plain: str, origin: str) -> np.ndarray:
@@ -244,29 +309,26 @@ def load_line_index(path: str) -> tuple[str, np.ndarray]:
 
   The index (see `_build_index`) is loaded memory-mapped when cached and valid.
   """
-  plain = _plain_copy(path)
-  current = stamp(plain)
-  candidates = _index_paths(plain, path)
-  for cand in candidates:
-    if os.path.exists(cand):
-      try:
-        index = np.load(cand, mmap_mode="r")
-        if index.ndim == 2 and tuple(index[0]) == current:
-          return plain, index[1:]
-      except (OSError, ValueError):
-        pass  # a corrupt or foreign file: rebuild below
-  index = _build_index(plain, path)
-  for cand in candidates:
-    try:
-      os.makedirs(os.path.dirname(cand), exist_ok=True)
-      fd, tmp = tempfile.mkstemp(dir=os.path.dirname(cand), prefix=".tmp-", suffix=".npy")
-      with os.fdopen(fd, "wb") as f:
-        np.save(f, index)
-      _publish(tmp, cand)
-      break
-    except OSError:
-      continue  # read-only directory: fall back to the cache dir
-  return plain, index[1:]
+  plain = plain_copy(path)
+  return plain, load_index(path, plain, "t5forge-lines.npy", _build_index)
+
+
+def sample_digest(path: str) -> str:
+  """A digest of a file's size and of 64 KiB read at 16 evenly spaced places (the first
+  and last bytes included): it does not depend on the file's name, directory or mtime, so
+  it stays the same when data is copied, and changes when a file is rewritten, appended
+  to or cut, without reading a large file whole."""
+  size = os.path.getsize(path)
+  h = hashlib.blake2b(str(size).encode(), digest_size=10)
+  block = 1 << 16
+  with open(path, "rb") as f:
+    if size <= 16 * block:
+      h.update(f.read())
+    else:
+      for k in range(16):
+        f.seek((size - block) * k // 15)
+        h.update(f.read(block))
+  return h.hexdigest()
 
 
 class LineFiles:
@@ -350,6 +412,17 @@ class LineFiles:
     start, end = self._index[f][line, 0], self._index[f][line + 1, 0]
     raw = os.pread(self._fd(f), int(end - start), int(start))
     return raw.decode("utf-8").rstrip("\r\n"), self._files[f], line + 1
+
+  def content_digest(self) -> str:
+    """Identifies the selected lines' content, not where the files are (`sample_digest`
+    of each file and the line offsets)."""
+    h = hashlib.blake2b(str(self._skip).encode(), digest_size=10)
+    for path, index, rows in zip(self._files, self._index, self._rows):
+      h.update(sample_digest(path).encode())
+      h.update(np.ascontiguousarray(index[:, 0]).tobytes())
+      if rows is not None:
+        h.update(np.ascontiguousarray(rows).tobytes())
+    return h.hexdigest()
 
   def __getstate__(self):
     return {"files": self._files, "skip": self._skip}
