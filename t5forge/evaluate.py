@@ -35,9 +35,9 @@ from t5forge.sharding import Partitioner
 _KNOWN_ONLY = ("checkpoint.path", "checkpoint.format", "checkpoint.content")
 
 
-def max_feature_lengths(task, split: str) -> dict[str, int]:
+def max_feature_lengths(task, split: str, use_cached: bool = False) -> dict[str, int]:
   """T5X's `task_feature_lengths = None`: the longest example of the split, per feature."""
-  ds = task.get_dataset(None, split, shuffle=False, num_epochs=1)
+  ds = task.get_dataset(None, split, use_cached, shuffle=False, num_epochs=1)
   lengths: dict[str, int] = {}
   for ex in ds:
     for name in task.output_features:
@@ -126,11 +126,13 @@ class InferenceEvaluator:
     per_process = int(dataset_cfg.batch_size) // jax.process_count()
     self.datasets = {}
     for task in tasks:
-      lengths = dataset_cfg.task_feature_lengths or max_feature_lengths(task, dataset_cfg.split)
+      lengths = dataset_cfg.task_feature_lengths or max_feature_lengths(
+          task, dataset_cfg.split, dataset_cfg.use_cached)
       kind = model.feature_converter_kind("inputs" in task.output_features)
       self.datasets[task.name] = data.get_eval_dataset(
           task.name, lengths, per_process, split=dataset_cfg.split, model_kind=kind,
-          shard_index=jax.process_index(), num_shards=jax.process_count())
+          shard_index=jax.process_index(), num_shards=jax.process_count(),
+          use_cached=dataset_cfg.use_cached)
     self.predictor = Predictor(model, partitioner=self.partitioner,
                                param_shardings=param_shardings)
     self._writers = {}

@@ -100,14 +100,17 @@ def examples_from_file(path: str, vocabulary, *, need_targets: bool) -> list[Exa
   return out
 
 
-def examples_from_task(name: str, split: str) -> tuple[list[Example], Any]:
-  """A task's split as examples (preprocessed, untrimmed), and the task."""
+def examples_from_task(name: str, split: str,
+                       use_cached: bool = False) -> tuple[list[Example], Any]:
+  """A task's split as examples (preprocessed, untrimmed), and the task; `use_cached`:
+  from its SeqIO cache."""
   from t5forge import data  # pylint: disable=import-outside-toplevel
   task = data.get_mixture_or_task(name)
   if not hasattr(task, "output_features"):
     raise UserError(f"{name!r} is a mixture; infer one of its tasks")
   out = []
-  for i, ex in enumerate(task.get_dataset(None, split, shuffle=False, num_epochs=1)):
+  for i, ex in enumerate(task.get_dataset(None, split, use_cached, shuffle=False,
+                                          num_epochs=1)):
     pre = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in ex.items()
            if k.endswith("_pretokenized")}
     targets = [int(t) for t in ex["targets"]] if "targets" in ex else None
@@ -347,7 +350,8 @@ def infer_task(*, dataset_cfg, restore_checkpoint_cfg, output_dir: str, model=No
   if model.vocabulary is not None and model.vocabulary is not vocab:
     vocab_io.check_task(item, model.vocabulary, against="the model (its VOCABULARY)",
                         fix=fix + ", or set VOCABULARY = None")
-  examples, task = examples_from_task(dataset_cfg.mixture_or_task_name, dataset_cfg.split)
+  examples, task = examples_from_task(dataset_cfg.mixture_or_task_name, dataset_cfg.split,
+                                      dataset_cfg.use_cached)
   if model.vocabulary is None:  # neither checkpoint nor model gin has one: the task's
     model.vocabulary = task.output_features["targets"].vocabulary
   lengths = dict(dataset_cfg.task_feature_lengths or {})
@@ -363,7 +367,8 @@ def infer_task(*, dataset_cfg, restore_checkpoint_cfg, output_dir: str, model=No
 def infer_checkpoint(checkpoint: str, *, input_path: str | None = None, task: str | None = None,
                      split: str = "validation", vocabulary_path: str | None = None,
                      module: str | None = None, use_checkpoint_vocabulary: bool = False,
-                     load_overrides: dict | None = None, name: str | None = None,
+                     use_cached: bool = False, load_overrides: dict | None = None,
+                     name: str | None = None,
                      partitioner: Partitioner | None = None, **infer_kwargs) -> InferResult:
   """`t5forge infer --checkpoint ...`: a file (`input_path`) or a task's split, through
   `opener.open_checkpoint` and `infer`.
@@ -371,6 +376,7 @@ def infer_checkpoint(checkpoint: str, *, input_path: str | None = None, task: st
   Args:
     vocabulary_path: a SentencePiece model when the checkpoint carries no vocabulary.
     use_checkpoint_vocabulary: tokenize `task` with the checkpoint's vocabulary.
+    use_cached: read `task` from its SeqIO cache.
     load_overrides: runtime config fields (--dtype, --weight_dtype).
     **infer_kwargs: output_dir, mode, batch_size, ... of `infer`.
   """
@@ -390,7 +396,7 @@ def infer_checkpoint(checkpoint: str, *, input_path: str | None = None, task: st
         against=(f"--vocabulary {vocabulary_path}" if vocabulary_path
                  else f"checkpoint {opened.checkpoint.path}"),
         fix="Tokenize the task with the checkpoint's vocabulary: --use_checkpoint_vocabulary")
-    examples, item = examples_from_task(task_name, split)
+    examples, item = examples_from_task(task_name, split, use_cached)
     if model.vocabulary is None:
       model.vocabulary = item.output_features["targets"].vocabulary
     name = name or task

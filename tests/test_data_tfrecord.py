@@ -75,11 +75,12 @@ def test_raw_records_decode_function_and_pickling(tmp_path):
   assert clone[299] == EXPECTED["tfrecord"]["examples_in_file_order"][299]
 
 
-def test_index_is_cached_and_rebuilt_when_the_file_changes(tmp_path):
+def test_index_is_cached_and_rebuilt_when_the_file_changes(tmp_path, cache):
   path = tmp_path / "d.tfrecord"
   records.write(str(path), [tf_example.encode({"x": i}) for i in range(4)])
   src = records.RecordFiles([str(path)])
-  assert len(src) == 4 and os.path.exists(tmp_path / ".d.tfrecord.t5forge-records.npy")
+  assert len(src) == 4 and sorted(os.listdir(tmp_path)) == ["cache", "d.tfrecord"]
+  assert len(list((cache / "lines").glob("*.t5forge-records.npy"))) == 1
   records.write(str(path), [tf_example.encode({"x": i}) for i in range(7)])
   again = records.RecordFiles([str(path)])
   assert len(again) == 7

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from t5forge.cli import decode_flags, gin_flags
+from t5forge.cli import data_flags, decode_flags, gin_flags
 
 
 def _lengths(text: str | None) -> dict[str, int] | None:
@@ -38,7 +38,7 @@ def _lengths(text: str | None) -> dict[str, int] | None:
 
 def main(argv: list[str]) -> int:
   if any(a.startswith("--gin") for a in argv):
-    files, bindings, paths, rest = gin_flags.split_flags(argv)
+    files, bindings, paths, rest = gin_flags.split_flags(data_flags.take(argv))
     if rest:
       from t5forge.errors import UserError  # pylint: disable=import-outside-toplevel
       raise UserError(f"unknown flag(s) {rest} with --gin_file; set options as gin bindings")
@@ -66,8 +66,10 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--use_checkpoint_vocabulary", action="store_true",
                       help="tokenize the task with the checkpoint's vocabulary instead of its "
                       "own (e.g. a model fine-tuned from Flan-T5 with finetune_from_hf.gin)")
+  data_flags.add(parser)
   decode_flags.add(parser)
   args = parser.parse_args(argv)
+  data_flags.apply(args.tfds_data_dir, args.seqio_additional_cache_dirs)
   from t5forge import evaluate  # pylint: disable=import-outside-toplevel
   task = args.task
   if args.use_checkpoint_vocabulary:
@@ -82,7 +84,7 @@ def main(argv: list[str]) -> int:
   evaluate.evaluate(
       dataset_cfg=DatasetConfig(task, _lengths(args.feature_lengths), split=args.split,
                                 batch_size=args.batch_size, shuffle=False, pack=False,
-                                module=args.module),
+                                module=args.module, use_cached=args.use_cached),
       restore_checkpoint_cfg=RestoreCheckpointConfig(path=args.checkpoint, mode=mode),
       output_dir=args.output_dir, decode_options=decode_flags.options(args),
       num_examples=args.num_examples, force=args.force,

@@ -27,8 +27,9 @@ from t5forge.errors import UserError
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 PACKAGE_PARENT = os.path.dirname(os.path.dirname(CONFIGS_DIR))
 
-# Flags T5X's scripts accept that mean nothing here; accepted so copied commands run.
-_IGNORED = ("--alsologtostderr", "--logtostderr", "--tfds_data_dir", "--seqio_additional_cache_dirs")
+# Flags T5X's scripts accept that mean nothing here (logging goes to stderr anyway); accepted
+# so copied commands run. The data flags are `data_flags`'.
+_IGNORED = ("--alsologtostderr", "--logtostderr")
 
 
 def split_flags(argv: Sequence[str]) -> tuple[list[str], list[str], list[str], list[str]]:

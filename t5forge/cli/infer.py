@@ -17,14 +17,14 @@ from __future__ import annotations
 import argparse
 import warnings
 
-from t5forge.cli import decode_flags
+from t5forge.cli import data_flags, decode_flags
 from t5forge.errors import UserError
 
 
 def main(argv: list[str]) -> int:
   if any(a.startswith("--gin") for a in argv):  # T5X style: runs/infer.gin + bindings
     from t5forge.cli import gin_flags  # pylint: disable=import-outside-toplevel
-    files, bindings, paths, rest = gin_flags.split_flags(argv)
+    files, bindings, paths, rest = gin_flags.split_flags(data_flags.take(argv))
     if rest:
       raise UserError(f"unknown flag(s) {rest} with --gin_file; set options as gin bindings")
     gin_flags.parse(files, bindings, paths)
@@ -61,9 +61,13 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--use_checkpoint_vocabulary", action="store_true",
                       help="with --task: tokenize the task with the checkpoint's vocabulary "
                       "(or --vocabulary) instead of its own")
+  data_flags.add(parser)
   decode_flags.add(parser)
   args = parser.parse_args(argv)
   opts = decode_flags.options(args)
+  data_flags.apply(args.tfds_data_dir, args.seqio_additional_cache_dirs)
+  if args.use_cached and not args.task:
+    raise UserError("--use_cached reads a task's SeqIO cache; it needs --task")
 
   from t5forge import infer  # pylint: disable=import-outside-toplevel
   with warnings.catch_warnings(record=True) as caught:
@@ -71,7 +75,7 @@ def main(argv: list[str]) -> int:
     result = infer.infer_checkpoint(
         args.checkpoint, input_path=args.input, task=args.task, split=args.split,
         vocabulary_path=args.vocabulary, module=args.module,
-        use_checkpoint_vocabulary=args.use_checkpoint_vocabulary,
+        use_checkpoint_vocabulary=args.use_checkpoint_vocabulary, use_cached=args.use_cached,
         load_overrides=decode_flags.runtime_overrides(args), output_dir=args.output_dir,
         name=args.name, mode=args.mode, batch_size=args.batch_size,
         chunk_size=args.chunk_size, input_length=args.max_input_length,

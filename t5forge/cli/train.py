@@ -2,7 +2,8 @@
 
 T5X's train.py interface: gin files (a run gin such as runs/finetune.gin plus a model
 gin such as models/t5_1_1/small.gin, or an example gin), macro bindings with
---gin.NAME=VALUE, and the T5X flags for several processes (see `t5forge/multihost.py`).
+--gin.NAME=VALUE, T5X's data flags --tfds_data_dir and --seqio_additional_cache_dirs
+(`cli/data_flags.py`), and the T5X flags for several processes (see `t5forge/multihost.py`).
 A run whose gin files and flags set no network.ModelConfig.dtype gets bfloat16 mixed
 precision where the CPU has bf16 instructions, else float32 (printed; `t5forge/precision.py`).
 """
@@ -12,7 +13,7 @@ import os
 import sys
 
 from t5forge import host_memory, precision
-from t5forge.cli import gin_flags
+from t5forge.cli import data_flags, gin_flags
 from t5forge.errors import UserError
 
 USAGE = __doc__
@@ -22,10 +23,11 @@ def main(argv: list[str]) -> int:
   if any(a in ("-h", "--help") for a in argv):
     print(USAGE)
     return 0
-  files, bindings, paths, rest = gin_flags.split_flags(argv)
+  files, bindings, paths, rest = gin_flags.split_flags(data_flags.take(argv))
   if rest:
     raise UserError(f"unknown flag(s) {rest}; train takes --gin_file, --gin.NAME=VALUE, "
-                    "--gin_bindings and --gin_search_paths")
+                    "--gin_bindings, --gin_search_paths, --tfds_data_dir and "
+                    "--seqio_additional_cache_dirs")
   # What this host runs with (every process of a multi-process job says its own).
   print(host_memory.describe(), flush=True)
   gin_flags.parse(files, bindings, paths)

@@ -12,10 +12,15 @@ from t5forge.data import preprocessors
 from t5forge.data.converters import (EncDecFeatureConverter, FeatureConverter, LMFeatureConverter,
                                      PrefixLMFeatureConverter, get_converter)
 from t5forge.data.preprocessors import CacheDatasetPlaceholder, map_over_dataset
+from t5forge.data.hf_datasets import HfDataSource
 from t5forge.data.records import TFExampleDataSource, TFRecordDataSource
+from t5forge.data.seqio_cache import (add_global_cache_dirs, get_global_cache_dirs,
+                                      set_global_cache_dirs)
 from t5forge.data.sources import (ArrayRecordDataSource, DataSource, FunctionDataSource,
                                   InMemoryDataSource, JsonlDataSource, TextLineDataSource,
                                   TsvDataSource)
+from t5forge.data.tabular import (ArrowDataSource, CsvDataSource, JsonTableDataSource,
+                                  ParquetDataSource)
 from t5forge.data.tf_example import FixedLenFeature, FixedLenSequenceFeature, VarLenFeature
 from t5forge.data.tfds import TfdsDataSource, TfdsSplit, set_tfds_data_dir_override
 from t5forge.data.tasks import (Feature, Mixture, MixtureRegistry, ShardInfo, Task, TaskRegistry,
@@ -42,15 +47,17 @@ def __getattr__(name):
 
 
 __all__ = [
-    "ArrayRecordDataSource", "ByteVocabulary", "CacheDatasetPlaceholder", "DataSource",
-    "EncDecFeatureConverter", "Feature", "FeatureConverter", "FixedLenFeature",
-    "FixedLenSequenceFeature", "FunctionDataSource", "InMemoryDataSource", "JsonlDataSource",
-    "LMFeatureConverter", "Mixture", "MixtureRegistry", "PassThroughVocabulary",
+    "ArrayRecordDataSource", "ArrowDataSource", "ByteVocabulary", "CacheDatasetPlaceholder",
+    "CsvDataSource", "DataSource", "EncDecFeatureConverter", "Feature", "FeatureConverter",
+    "FixedLenFeature", "FixedLenSequenceFeature", "FunctionDataSource", "HfDataSource",
+    "InMemoryDataSource", "JsonTableDataSource", "JsonlDataSource", "LMFeatureConverter",
+    "Mixture", "MixtureRegistry", "ParquetDataSource", "PassThroughVocabulary",
     "PrefixLMFeatureConverter", "SentencePieceVocabulary", "ShardInfo", "TFExampleDataSource",
     "TFRecordDataSource", "Task", "TaskRegistry", "TextLineDataSource", "TfdsDataSource",
-    "TfdsSplit", "TsvDataSource", "VarLenFeature", "Vocabulary", "bundled_tasks",
-    "get_converter", "get_dataset", "get_mixture_or_task", "get_vocabulary", "import_task_module",
-    "map_over_dataset", "mixing_rate_num_examples", "preprocessors",
+    "TfdsSplit", "TsvDataSource", "VarLenFeature", "Vocabulary", "add_global_cache_dirs",
+    "bundled_tasks", "get_converter", "get_dataset", "get_global_cache_dirs",
+    "get_mixture_or_task", "get_vocabulary", "import_task_module", "map_over_dataset",
+    "mixing_rate_num_examples", "preprocessors", "set_global_cache_dirs",
     "set_tfds_data_dir_override", "ul2", "ul2_objective", "with_vocabulary",
     *_PIPELINE_NAMES,
 ]

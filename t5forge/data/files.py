@@ -208,19 +208,19 @@ def plain_copy(path: str, compression: str | None = None) -> str:
   return out
 
 
-def _index_paths(plain: str, origin: str, suffix: str) -> list[str]:
-  """Where an index may live: next to the file first, then in the cache dir (only there
-  with the cache off: nothing is left beside the user's data)."""
+def _index_paths(plain: str, origin: str, suffix: str, beside_ok: bool) -> list[str]:
+  """Where an index may live: next to the file first (when `beside_ok`), then in the cache
+  dir (only there with the cache off: nothing is left beside the user's data)."""
   name = f".{os.path.basename(plain)}.{suffix}"
   beside = os.path.join(os.path.dirname(os.path.abspath(plain)), name)
   cached = os.path.join(cache_root(), "lines", f"{_key(plain)}.{suffix}")
   if plain != origin:  # a decompressed copy already lives in the cache dir
     return [beside]
-  return [beside, cached] if cache_enabled() else [cached]
+  return [beside, cached] if cache_enabled() and beside_ok else [cached]
 
 
 def load_index(path: str, plain: str, suffix: str,
-               build: Callable[[str, str], np.ndarray]) -> np.ndarray:
+               build: Callable[[str, str], np.ndarray], beside_ok: bool = True) -> np.ndarray:
   """A per-file index, built once and cached, rebuilt when the file changes.
 
   Args:
@@ -229,12 +229,13 @@ def load_index(path: str, plain: str, suffix: str,
     suffix: names the kind of index (`t5forge-lines.npy`, ...).
     build: `(plain, path) -> int64 [n + 1, k]` whose row 0 starts with the file's
       (size, mtime_ns) (`stamp`).
+    beside_ok: the index may be written next to the file (else only in the cache dir).
 
   Returns:
     The index without its stamp row, `[n, k]`, memory-mapped when it was cached.
   """
   current = stamp(plain)
-  candidates = _index_paths(plain, path, suffix)
+  candidates = _index_paths(plain, path, suffix, beside_ok)
   for cand in candidates:
     if os.path.exists(cand):
       try:

@@ -24,6 +24,7 @@ which rows are real (`example_mask`) and which example each row is
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -138,14 +139,41 @@ class DataIterator:
     """The position after the last returned batch (JSON-serialisable)."""
     return {"version": 1, "pipeline": self._description, "grain": _jsonable(self._iter.get_state())}
 
-  def set_state(self, state: Mapping[str, Any]) -> None:
-    """Continues from `state` (from `get_state`, possibly of another process)."""
+  def set_state(self, state: Mapping[str, Any], *, allow_changed_data: bool = False) -> None:
+    """Continues from `state` (from `get_state`, possibly of another process).
+
+    Args:
+      state: what `get_state` returned.
+      allow_changed_data: continue at the saved position even when a task's data is not
+        the data the state was saved with (its content fingerprint differs): the next
+        example is then example N of other data.
+
+    Raises:
+      UserError: the state is of another pipeline, or of other data (naming the task and
+        split; unless `allow_changed_data`).
+    """
     if not isinstance(state, Mapping) or state.get("version") != 1 or "grain" not in state:
       raise UserError("not a t5forge data iterator state (expected the dict that "
                       "DataIterator.get_state returns)")
-    if state.get("pipeline") != self._description:
-      diff = sorted(k for k in set(state.get("pipeline", {})) | set(self._description)
-                    if state.get("pipeline", {}).get(k) != self._description.get(k))
+    saved = dict(state.get("pipeline", {}))
+    saved.setdefault("use_cached", False)  # states saved before these keys existed
+    saved_data = saved.pop("data", None)
+    current = dict(self._description)
+    current_data = current.pop("data", None)
+    if saved == current and saved_data is not None and saved_data != current_data:
+      changed = sorted(k for k in set(saved_data) | set(current_data or {})
+                       if saved_data.get(k) != (current_data or {}).get(k))
+      if not allow_changed_data:
+        raise UserError(
+            f"the data of {', '.join(changed)} is not the data this run's checkpoint was saved "
+            "with (its content changed since); resuming would continue at the saved example "
+            "number of other data. Restore that data, start a new MODEL_DIR, or continue "
+            "anyway with --gin.train/utils.DatasetConfig.allow_changed_data=True")
+      logging.getLogger(__name__).warning(
+          "continuing at the saved position although the data of %s changed "
+          "(allow_changed_data=True)", ", ".join(changed))
+    if saved != current:
+      diff = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
       raise UserError(f"data iterator state was saved for a different pipeline (differs in: "
                       f"{', '.join(diff)}); resume with the same task, lengths, batch size, seed "
                       "and sharding")
@@ -184,7 +212,8 @@ def get_batches(mixture_or_task_name: str, task_feature_lengths: Mapping[str, in
                 packer: str = "first_fit", shuffle: bool = True, seed: int | None = 0,
                 shard_index: int = 0, num_shards: int = 1, num_epochs: int | None = None,
                 drop_remainder: bool = True, num_workers: int = 0,
-                read_threads: int = 0, bos_id: int = 0) -> DataIterator:
+                read_threads: int = 0, bos_id: int = 0,
+                use_cached: bool = False) -> DataIterator:
   """Training batches for this process.
 
   Args:
@@ -210,9 +239,12 @@ def get_batches(mixture_or_task_name: str, task_feature_lengths: Mapping[str, in
       is mostly GIL-bound, so threads rarely help on small machines).
     bos_id: the first decoder input token (SeqIO's converters' `bos_id`): 0 for T5
       (the pad id), 2 for T5Gemma; ignored when `feature_converter` is given.
+    use_cached: read each task's SeqIO cache (`Task.get_dataset`).
 
   Returns:
-    A `DataIterator`; `get_state()`/`set_state()` resume exactly.
+    A `DataIterator`; `get_state()`/`set_state()` resume exactly. Its state records
+    the content fingerprint of every task's split, so that resuming on changed data is
+    refused.
   """
   if batch_size < 1:
     raise UserError(f"batch_size must be >= 1, got {batch_size}")
@@ -222,7 +254,8 @@ def get_batches(mixture_or_task_name: str, task_feature_lengths: Mapping[str, in
   lengths = converter.check_lengths(task_feature_lengths)
   examples = tasks_lib.get_dataset(
       mixture_or_task_name, split, dict(task_feature_lengths), shuffle=shuffle, seed=seed,
-      shard_index=shard_index, num_shards=num_shards, num_epochs=num_epochs)
+      shard_index=shard_index, num_shards=num_shards, num_epochs=num_epochs,
+      use_cached=use_cached)
   read = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=max(64, 4 * read_threads))
   ds = _ConvertIterDataset(examples.to_iter_dataset(read), converter, lengths)
   ds = ds.batch(batch_size, drop_remainder=drop_remainder)
@@ -238,9 +271,19 @@ def get_batches(mixture_or_task_name: str, task_feature_lengths: Mapping[str, in
                  "lengths": dict(sorted(lengths.items())), "batch_size": batch_size,
                  "converter": repr(converter), "shuffle": shuffle, "seed": seed,
                  "shard": [shard_index, num_shards], "num_epochs": num_epochs,
-                 "num_workers": num_workers}
+                 "num_workers": num_workers, "use_cached": use_cached,
+                 "data": data_fingerprints(mixture_or_task_name, split, use_cached)}
   return DataIterator(ds, converter.model_feature_lengths(lengths), description,
                       copy_batches=num_workers > 0)
+
+
+def data_fingerprints(mixture_or_task_name: str, split: str,
+                      use_cached: bool = False) -> dict[str, str]:
+  """{"<task>/<split>": content fingerprint} of every task of a mixture (or the task)."""
+  item = tasks_lib.get_mixture_or_task(mixture_or_task_name)
+  tasks: Sequence[tasks_lib.Task] = item.tasks if isinstance(item, tasks_lib.Mixture) else [item]
+  return {f"task {t.name!r} split {split!r}":
+          t.split_source(split, use_cached).content_fingerprint() for t in tasks}
 
 
 # -------------------------------------------------------------------------------------- evaluation
@@ -261,7 +304,7 @@ class EvalDataset:
 
   def __init__(self, task: tasks_lib.Task, split: str, task_feature_lengths: Mapping[str, int],
                batch_size: int, converter: conv.FeatureConverter, shard_index: int = 0,
-               num_shards: int = 1):
+               num_shards: int = 1, use_cached: bool = False):
     if converter.pack:
       raise UserError("evaluation batches are not packed; pass a converter with pack=False")
     if batch_size < 1:
@@ -271,7 +314,8 @@ class EvalDataset:
     self.batch_size = batch_size
     self.converter = converter
     self.lengths = converter.check_lengths(task_feature_lengths)
-    ds = task.get_dataset(dict(task_feature_lengths), split, shuffle=False, num_epochs=1)
+    ds = task.get_dataset(dict(task_feature_lengths), split, use_cached, shuffle=False,
+                          num_epochs=1)
     # Every host preprocesses the whole (small) split so that all agree on the
     # count after filters, hence on the number of batches.
     self.examples = [ex for ex in ds.to_iter_dataset(grain.ReadOptions(num_threads=0))]
@@ -337,16 +381,17 @@ def _target_text(task: tasks_lib.Task, example: Mapping[str, Any]) -> Any:
 def get_eval_dataset(task_name: str, task_feature_lengths: Mapping[str, int], batch_size: int, *,
                      split: str = "validation", model_kind: str = "encoder_decoder",
                      feature_converter: conv.FeatureConverter | None = None, shard_index: int = 0,
-                     num_shards: int = 1, bos_id: int = 0) -> EvalDataset:
-  """Deterministic eval batches of one task (see `EvalDataset`); `bos_id` as in
-  `get_batches`."""
+                     num_shards: int = 1, bos_id: int = 0,
+                     use_cached: bool = False) -> EvalDataset:
+  """Deterministic eval batches of one task (see `EvalDataset`); `bos_id` and `use_cached`
+  as in `get_batches`."""
   item = tasks_lib.get_mixture_or_task(task_name)
   if not isinstance(item, tasks_lib.Task):
     raise UserError(f"{task_name!r} is a mixture; evaluate its tasks with get_eval_datasets")
   converter = feature_converter or conv.get_converter(model_kind, pack=False, bos_id=bos_id)
   tasks_lib._check_sharding(shard_index, num_shards, 0)
   return EvalDataset(item, split, task_feature_lengths, batch_size, converter, shard_index,
-                     num_shards)
+                     num_shards, use_cached)
 
 
 def get_eval_datasets(mixture_or_task_name: str, task_feature_lengths: Mapping[str, int],

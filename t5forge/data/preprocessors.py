@@ -54,14 +54,22 @@ Example = dict[str, Any]
 
 
 class CacheDatasetPlaceholder:
-  """Where SeqIO would cache: with `Task(cache=True)` everything before it is stored on disk.
+  """Where SeqIO caches: with `Task(cache=True)` everything before it is stored on disk, and
+  with `use_cached=True` a SeqIO cache (`seqio_cache`) replaces the source and everything
+  before it.
 
   As in SeqIO, the steps before it should not need fresh randomness every epoch:
   they run once, seeded by the example's position only.
+
+  Args:
+    required: the task may not run its preprocessors on the fly: it needs
+      `use_cached=True` (a SeqIO cache) or `Task(cache=True)`.
+    file_shuffle_buffer_size: SeqIO's; not needed with the global shuffle.
   """
 
-  def __init__(self, required: bool = False):
+  def __init__(self, required: bool = False, file_shuffle_buffer_size: int | None = None):
     self.required = required
+    self.file_shuffle_buffer_size = file_shuffle_buffer_size
 
   def __repr__(self):
     return f"CacheDatasetPlaceholder(required={self.required})"

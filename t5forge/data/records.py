@@ -6,8 +6,8 @@ A TFRecord file is a sequence of records, each framed as
     data (length bytes)           | uint32 masked CRC32C of the data
 
 One pass over a file (`RecordFiles`) verifies both checksums of every record and keeps
-the byte offset and length of each in an index, cached beside the file or in the cache
-dir and rebuilt when the file changes (as `files.LineFiles` does for text); reading
+the byte offset and length of each in an index, cached in the cache dir (never beside the
+data) and rebuilt when the file changes (as `files.LineFiles` does for text); reading
 record i is then one `os.pread` (its data checksum verified again). GZIP and ZLIB files
 (TensorFlow's `compression_type`) are decompressed once into the cache dir.
 
@@ -138,7 +138,10 @@ class RecordFiles:
     counts = []
     for k, path in enumerate(self._paths):
       plain = files.plain_copy(path, _compression(path, compression_type))
-      index = files.load_index(path, plain, "t5forge-records.npy", _build_index)
+      # In the cache dir only: record files often sit in directories other tools own
+      # (prepared TFDS datasets, SeqIO caches), shared between machines.
+      index = files.load_index(path, plain, "t5forge-records.npy", _build_index,
+                               beside_ok=False)
       if lengths is not None and len(index) != int(lengths[k]):
         raise UserError(f"{path}: holds {len(index)} records where {int(lengths[k])} are "
                         "recorded for it; the file is incomplete or from another version of "

@@ -17,9 +17,10 @@
         metric_fns=[t5forge.metrics.bleu])
 
 Differences from SeqIO a port must know: a preprocessor is a function of one
-example (see `preprocessors`), `seed`/`seeds` arguments become `rng`, and sources
-are the ones in `sources` (no TFDS). `get_dataset` returns a Grain `MapDataset`
-of dicts of numpy int32 arrays (plus the `<feature>_pretokenized` strings).
+example (see `preprocessors`), `seed`/`seeds` arguments become `rng`, and the sources
+are t5forge's (SeqIO's names, read without TensorFlow: t5forge/data/README.md).
+`get_dataset` returns a Grain `MapDataset` of dicts of numpy int32 arrays (plus the
+`<feature>_pretokenized` strings).
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ import numpy as np
 from t5forge.data import cache as cache_lib
 from t5forge.data import files
 from t5forge.data import preprocessors as pre
+from t5forge.data import seqio_cache
 from t5forge.data import sources as src
 from t5forge.data import vocab_io
 from t5forge.data.vocab import Vocabulary
@@ -116,8 +118,12 @@ class Task:
     self.postprocess_fn = postprocess_fn
     self.metric_fns = tuple(metric_fns)
     self.cache = cache or cache_dir is not None
+    if self.cache and not getattr(source, "caching_permitted", True):
+      raise UserError(f"task {name!r}: its source does not permit caching "
+                      "(caching_permitted=False); register it without cache=True")
     self.cache_dir = cache_dir
     self._offline: dict[tuple, src.SplitSource] = {}
+    self._seqio_cached: dict[str, src.SplitSource] = {}
     self._lock = threading.Lock()
 
   def __repr__(self):
@@ -155,9 +161,19 @@ class Task:
 
   # -- stages
 
-  def _plan(self, sequence_length) -> tuple[list, list, bool]:
-    """Splits the preprocessors into the offline and the online stage."""
-    steps = pre.expand(self.preprocessors, sequence_length, self.output_features)
+  def _placeholder(self) -> pre.CacheDatasetPlaceholder | None:
+    for p in self.preprocessors:
+      if isinstance(p, pre.CacheDatasetPlaceholder):
+        return p
+    return None
+
+  def _plan(self, sequence_length, cached: bool = False) -> tuple[list, list, bool]:
+    """Splits the preprocessors into the offline and the online stage; `cached`: only those
+    after the CacheDatasetPlaceholder (a SeqIO cache holds what precedes it)."""
+    steps = list(self.preprocessors)
+    if cached:
+      steps = steps[steps.index(self._placeholder()) + 1:]
+    steps = pre.expand(steps, sequence_length, self.output_features)
     kinds = [pre.kind_of(p) for p in steps]
     cut = 1 + max((i for i, k in enumerate(kinds) if k in ("stream", "flat_map")), default=-1)
     if self.cache and "placeholder" in kinds:
@@ -172,13 +188,43 @@ class Task:
     return {"sequence_length": dict(sequence_length) if sequence_length else None,
             "output_features": self.output_features}
 
-  def _offline_source(self, split: str, sequence_length) -> src.SplitSource:
+  def uses_seqio_cache(self, use_cached: bool) -> bool:
+    """Whether `use_cached` reads this task from a SeqIO cache: it must have a
+    CacheDatasetPlaceholder (without one SeqIO, and we, warn and read the source); a
+    placeholder with `required=True` refuses to run without a cache of either kind."""
+    placeholder = self._placeholder()
+    if use_cached and placeholder is None:
+      seqio_cache.warn_not_cacheable(self.name)
+      return False
+    if placeholder is not None and placeholder.required and not use_cached and not self.cache:
+      raise UserError(f"task {self.name!r} requires caching (CacheDatasetPlaceholder("
+                      "required=True)); pass use_cached=True with its SeqIO cache "
+                      "(--seqio_additional_cache_dirs, USE_CACHED_TASKS = True), or register "
+                      "it with cache=True")
+    return bool(use_cached)
+
+  def split_source(self, split: str, use_cached: bool = False) -> src.SplitSource:
+    """The split's examples before any preprocessor: the source's, or (use_cached) the
+    SeqIO cache's, which hold the examples after the CacheDatasetPlaceholder."""
+    if not self.uses_seqio_cache(use_cached):
+      return self.source.get(split)
+    with self._lock:
+      if split not in self._seqio_cached:
+        sizes = {k: f.vocabulary.vocab_size for k, f in self.output_features.items()}
+        self._seqio_cached[split] = seqio_cache.CachedSplitSource(
+            seqio_cache.find(self.name), split, sizes)
+      return self._seqio_cached[split]
+
+  def _offline_source(self, split: str, sequence_length,
+                      use_cached: bool = False) -> src.SplitSource:
     """The split's examples after the offline stage (the raw source if empty)."""
-    offline, _, uses_length = self._plan(sequence_length)
-    source = self.source.get(split)
+    cached = self.uses_seqio_cache(use_cached)
+    offline, _, uses_length = self._plan(sequence_length, cached)
+    source = self.split_source(split, cached)
     if not offline:
       return source
-    key = (split, tuple(sorted((sequence_length or {}).items())) if uses_length else None)
+    key = (split, cached,
+           tuple(sorted((sequence_length or {}).items())) if uses_length else None)
     with self._lock:
       if key not in self._offline:
         self._offline[key] = self._materialize(split, source, offline, sequence_length, uses_length)
@@ -209,9 +255,9 @@ class Task:
                       "preprocessing")
     return src.InMemorySource(examples, name=f"task {self.name!r} split {split!r}")
 
-  def get_dataset(self, sequence_length: Mapping[str, int | None] | None, split: str = "train", *,
-                  shuffle: bool = True, seed: int | None = 0, shard_index: int = 0,
-                  num_shards: int = 1, num_epochs: int | None = 1,
+  def get_dataset(self, sequence_length: Mapping[str, int | None] | None, split: str = "train",
+                  use_cached: bool = False, *, shuffle: bool = True, seed: int | None = 0,
+                  shard_index: int = 0, num_shards: int = 1, num_epochs: int | None = 1,
                   shard_info: ShardInfo | None = None):
     """The preprocessed, tokenized, trimmed examples of one split, as a Grain MapDataset.
 
@@ -219,6 +265,8 @@ class Task:
       sequence_length: feature -> length (None value: no trimming); every output
         feature needs an entry. None skips trimming entirely.
       split: a split of the source.
+      use_cached: read the task's SeqIO cache (`seqio_cache`) instead of its source and
+        the preprocessors before its CacheDatasetPlaceholder, as SeqIO's.
       shuffle: a global shuffle, different every epoch, determined by `seed`.
       seed: seeds the shuffle and the per-example rng (with the example index).
         None means 0: runs are always reproducible.
@@ -241,8 +289,9 @@ class Task:
     _check_sharding(shard_index, num_shards, seed)
     if num_epochs is not None and num_epochs < 1:
       raise UserError(f"num_epochs must be >= 1 or None (forever), got {num_epochs}")
-    _, online, _ = self._plan(sequence_length)
-    ds = grain.MapDataset.source(self._offline_source(split, sequence_length))
+    cached = self.uses_seqio_cache(use_cached)
+    _, online, _ = self._plan(sequence_length, cached)
+    ds = grain.MapDataset.source(self._offline_source(split, sequence_length, cached))
     if shuffle:
       ds = ds.shuffle(seed=seed % (1 << 32))
     if num_epochs != 1:
@@ -403,9 +452,10 @@ class Mixture:
                         "different vocabularies")
     return first
 
-  def get_dataset(self, sequence_length, split: str = "train", *, shuffle: bool = True,
-                  seed: int | None = 0, shard_index: int = 0, num_shards: int = 1,
-                  num_epochs: int | None = None, shard_info: ShardInfo | None = None):
+  def get_dataset(self, sequence_length, split: str = "train", use_cached: bool = False, *,
+                  shuffle: bool = True, seed: int | None = 0, shard_index: int = 0,
+                  num_shards: int = 1, num_epochs: int | None = None,
+                  shard_info: ShardInfo | None = None):
     """The tasks' datasets interleaved by rate, then sharded; see `Task.get_dataset`.
 
     Mixing is Grain's deterministic proportional interleave: every window of the
@@ -421,7 +471,7 @@ class Mixture:
     pairs = [(t, r) for t, r in self.tasks_and_rates if r > 0]
     if not pairs:
       raise UserError(f"mixture {self.name!r}: every rate is 0")
-    datasets = [t.get_dataset(sequence_length, split, shuffle=shuffle,
+    datasets = [t.get_dataset(sequence_length, split, use_cached, shuffle=shuffle,
                               seed=_derive_seed(seed, t.name), num_epochs=num_epochs)
                 for t, _ in pairs]
     if len(datasets) == 1:
@@ -594,10 +644,11 @@ def get_mixture_or_task(name: str) -> Task | Mixture:
 def get_dataset(mixture_or_task_name: str, split: str,
                 task_feature_lengths: Mapping[str, int | None] | None, *, shuffle: bool = True,
                 seed: int | None = 0, shard_index: int = 0, num_shards: int = 1,
-                num_epochs: int | None = 1, shard_info: ShardInfo | None = None):
+                num_epochs: int | None = 1, shard_info: ShardInfo | None = None,
+                use_cached: bool = False):
   """Task-feature examples of a task or mixture; see `Task.get_dataset`."""
   item = get_mixture_or_task(mixture_or_task_name)
-  return item.get_dataset(task_feature_lengths, split, shuffle=shuffle, seed=seed,
+  return item.get_dataset(task_feature_lengths, split, use_cached, shuffle=shuffle, seed=seed,
                           shard_index=shard_index, num_shards=num_shards, num_epochs=num_epochs,
                           shard_info=shard_info)
 
@@ -655,6 +706,7 @@ def _task_copy(task: Task, vocabulary: Vocabulary, suffix: str) -> str:
     new.name = name
     new.output_features = {k: dataclasses.replace(f, vocabulary=vocabulary)
                            for k, f in task.output_features.items()}
-    new._offline, new._lock = {}, threading.Lock()  # nothing tokenized with the other one
+    # Nothing tokenized with the other vocabulary; a SeqIO cache is the task's own.
+    new._offline, new._seqio_cached, new._lock = {}, {}, threading.Lock()
     TaskRegistry._add(name, new)
   return name

@@ -44,7 +44,8 @@ class TrainEvaluator:
     per_process = cfg.batch_size // num_shards
     self.datasets = data.get_eval_datasets(
         cfg.mixture_or_task_name, cfg.task_feature_lengths, per_process, split=cfg.split,
-        model_kind=model_kind, shard_index=shard_index, num_shards=num_shards)
+        model_kind=model_kind, shard_index=shard_index, num_shards=num_shards,
+        use_cached=cfg.use_cached)
     self.eval_step = eval_step
     self.shard_batch = shard_batch
     self.eval_steps = eval_steps

@@ -264,7 +264,8 @@ class _Run:
         self.global_batch if self.shard_rows else self.global_batch // self.num_shards,
         split=cfg.split, model_kind=self.model_kind, pack=cfg.pack, shuffle=cfg.shuffle,
         seed=self.seed if cfg.seed is None else int(cfg.seed), shard_index=reader_shards[0],
-        num_shards=reader_shards[1], num_workers=cfg.num_workers)
+        num_shards=reader_shards[1], num_workers=cfg.num_workers, use_cached=cfg.use_cached)
+    self.allow_changed_data = cfg.allow_changed_data
 
   def next_batch(self, step: int) -> dict:
     batch = next(self.train_iter)
@@ -307,7 +308,8 @@ class _Run:
     self.state = _restore_or_init(
         model=model, tx=tx, seed=self.seed, checkpointer=self.checkpointer,
         restore_cfg=checkpoint_cfg.restore, train_iter=self.train_iter,
-        abstract=(self.abstract_params, self.abstract_opt), shardings=self.shardings, log=self.log)
+        abstract=(self.abstract_params, self.abstract_opt), shardings=self.shardings, log=self.log,
+        allow_changed_data=self.allow_changed_data)
     self.start = int(self.state.step)
     resumed = os.path.join(self.model_dir, f"checkpoint_{self.start}")
     if self.checkpointer.latest_step() is not None and os.path.isdir(resumed):
@@ -460,7 +462,7 @@ def _config_item(model: BaseModel) -> dict:
 
 
 def _restore_or_init(*, model, tx, seed, checkpointer, restore_cfg, train_iter, abstract,
-                     shardings, log) -> TrainState:
+                     shardings, log, allow_changed_data=False) -> TrainState:
   """The restore order: MODEL_DIR's latest checkpoint, INITIAL_CHECKPOINT_PATH, scratch."""
   abstract_params, abstract_opt = abstract
   latest = checkpointer.latest_step()
@@ -475,7 +477,7 @@ def _restore_or_init(*, model, tx, seed, checkpointer, restore_cfg, train_iter, 
     latest, (params, opt_state, data_item) = checkpointer.restore_latest(target, log=log)
     data_state = ckpt_lib.data_state_for_this_process(data_item)
     if data_state is not None:
-      train_iter.set_state(data_state)
+      train_iter.set_state(data_state, allow_changed_data=allow_changed_data)
     else:
       log("note: the data iterator state was saved with another number of processes; "
           "the data order restarts")

@@ -24,10 +24,15 @@ class DatasetConfig:
     batch_size: the global batch (all processes together).
     shuffle / seed: shuffling and per-example randomness (seed None: the run's seed).
     pack: pack several examples per row (training only).
-    use_cached: accepted for T5X gins; t5forge caches per task (`Task(cache=True)`).
+    use_cached: read each task's SeqIO cache (written by seqio's cache_tasks_main; found
+      in --seqio_additional_cache_dirs) in place of its source and the preprocessors
+      before its CacheDatasetPlaceholder, as SeqIO's `use_cached`.
     module: a Python module to import first, to register tasks (T5X's
       MIXTURE_OR_TASK_MODULE).
     num_workers: Grain worker processes for preprocessing.
+    allow_changed_data: resume even when a task's data is not the data the checkpoint's
+      iterator state was saved with (its content fingerprint differs); without it such a
+      resume is refused, naming the task and split.
     shard_mode: how processes split the data. 'rows' (default): every process reads
       the whole (shuffled, packed) stream and takes its rows of each global batch, so
       the batches, and the training, are the same on any number of processes and a
@@ -48,6 +53,7 @@ class DatasetConfig:
   num_workers: int = 0
   use_custom_packing_ops: bool = False  # T5X/TF only; accepted and ignored
   shard_mode: str = "rows"
+  allow_changed_data: bool = False
 
   def __post_init__(self):
     if self.shard_mode not in ("rows", "examples"):
