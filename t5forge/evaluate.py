@@ -112,7 +112,8 @@ class InferenceEvaluator:
     # As SeqIO's Evaluator: tasks without the split or without metric_fns are left out;
     # none left is an empty `eval_tasks` (the trainer skips inference evaluation, as T5X's
     # train.py; `t5forge eval` refuses).
-    tasks = [t for t in tasks if dataset_cfg.split in t.splits and t.metric_fns]
+    tasks = [t for t in tasks
+             if t.metric_fns and t.has_split(dataset_cfg.split, dataset_cfg.use_cached)]
     self.no_tasks_reason = (f"{dataset_cfg.mixture_or_task_name!r}: no task has a "
                             f"{dataset_cfg.split!r} split with metric_fns to evaluate")
     if model.vocabulary is not None:  # it decodes the predictions of every task

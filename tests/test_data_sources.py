@@ -179,3 +179,50 @@ def test_invalid_json_line(tmp_path):
   with pytest.raises(UserError) as e:
     src[1]
   assert f"{path}:2:" in _one_line(e) and "invalid JSON" in str(e.value)
+
+
+def test_seqio_keywords_of_ported_sources(tmp_path, caplog):
+  """FLAN's task files write TextLineDataSource({...}, num_input_examples={...}) and SeqIO's
+  file keywords; they are accepted, and the count is used without reading the files."""
+  path = tmp_path / "t.txt"
+  path.write_text("a\nb\nc\n")
+  src = sources.TextLineDataSource({"train": str(path)}, num_input_examples={"train": 1000},
+                                   caching_permitted=True, file_shuffle_buffer_size=16,
+                                   cycle_length=8, block_length=4)
+  assert src.num_input_examples("train") == 1000 and not src._built
+  assert [src.get("train")[i]["text"] for i in range(3)] == ["a", "b", "c"]
+  positional = sources.TextLineDataSource({"train": str(path)}, 0, {"train": 3})
+  assert positional.num_input_examples("train") == 3
+  with pytest.raises(UserError) as e:
+    sources.TsvDataSource({"train": str(path)}, num_input_examples={"test": 3})
+  assert "'test'" in _one_line(e)
+
+
+def test_function_source_calls_dataset_fn_as_seqio_does():
+  calls = []
+
+  def seqio_style(split, shuffle_files, seed=None):  # SeqIO's signature
+    calls.append((split, shuffle_files, seed))
+    return ({"x": i, "split": split} for i in range(3))  # any iterable of dicts
+
+  src = sources.FunctionDataSource(seqio_style, splits=["train", "validation"],
+                                   num_input_examples={"train": 3})
+  assert src.get("validation")[2] == {"x": 2, "split": "validation"}
+  assert calls == [("validation", False, 0)]
+  keywords_only = sources.FunctionDataSource(lambda *, split, shuffle_files: [{"s": split}],
+                                             splits=("train",))
+  assert keywords_only.get("train")[0] == {"s": "train"}
+  with pytest.raises(UserError) as e:
+    sources.FunctionDataSource(lambda split: {"not": "a list"}, splits=("train",)).get("train")
+  assert "iterable of example dicts" in _one_line(e)
+
+
+def test_a_source_that_forbids_caching_refuses_a_cached_task(tmp_path):
+  from t5forge.data import tasks, vocab
+  path = tmp_path / "t.txt"
+  path.write_text("a\n")
+  src = sources.TextLineDataSource({"train": str(path)}, caching_permitted=False)
+  with pytest.raises(UserError) as e:
+    tasks.Task("no_cache", src, output_features={"targets": tasks.Feature(vocab.ByteVocabulary())},
+               cache=True)
+  assert "caching_permitted=False" in _one_line(e)

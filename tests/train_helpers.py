@@ -48,9 +48,10 @@ def run_train(gin_file, model_dir, *bindings, timeout=600):
                         text=True, cwd=ROOT, timeout=timeout)
 
 
-def kill_when(cmd, cond, timeout=300) -> bool:
+def kill_when(cmd, cond, timeout=300, cwd=ROOT, env=None) -> bool:
   """Starts cmd and SIGKILLs it as soon as cond() holds; False if it ended first."""
-  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
   start = time.time()
   try:
     while proc.poll() is None and time.time() - start < timeout:

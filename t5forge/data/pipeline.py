@@ -404,7 +404,7 @@ def get_eval_datasets(mixture_or_task_name: str, task_feature_lengths: Mapping[s
   tasks: Sequence[tasks_lib.Task] = item.tasks if isinstance(item, tasks_lib.Mixture) else [item]
   out = {}
   for t in tasks:
-    if split in t.splits:
+    if t.has_split(split, kwargs.get("use_cached", False)):
       out[t.name] = get_eval_dataset(t.name, task_feature_lengths, batch_size, **kwargs)
   if not out:
     raise UserError(f"{mixture_or_task_name!r}: no task has a {split!r} split to evaluate")

@@ -93,7 +93,7 @@ def _read_json(path: str) -> Any:
     with open(path, encoding="utf-8") as f:
       return json.load(f)
   except FileNotFoundError:
-    held = ", ".join(sorted(_cached_splits(os.path.dirname(path)))) or "no split"
+    held = ", ".join(sorted(cached_splits(os.path.dirname(path)))) or "no split"
     raise UserError(f"{path}: missing from the SeqIO cache (it holds: {held}); cache that split "
                     "with cache_tasks_main, or use the task without use_cached") from None
   except ValueError as e:
@@ -101,7 +101,8 @@ def _read_json(path: str) -> Any:
         from None
 
 
-def _cached_splits(directory: str) -> list[str]:
+def cached_splits(directory: str) -> list[str]:
+  """The splits a task's cache directory holds (its `info.<split>.json` files)."""
   try:
     return [m.group(1) for n in os.listdir(directory) if (m := re.match(r"info\.(.+)\.json$", n))]
   except OSError:

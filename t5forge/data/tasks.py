@@ -136,6 +136,13 @@ class Task:
   def num_input_examples(self, split: str) -> int:
     return self.source.num_input_examples(split)
 
+  def has_split(self, split: str, use_cached: bool = False) -> bool:
+    """Whether `split` can be read; with `use_cached`, from the task's SeqIO cache (the
+    source itself need not be on this machine)."""
+    if use_cached and self._placeholder() is not None:
+      return split in seqio_cache.cached_splits(seqio_cache.find(self.name))
+    return split in self.splits
+
   @property
   def predict_metric_fns(self) -> list[Callable]:
     return [f for f in self.metric_fns if "scores" not in _param_names(f)]
