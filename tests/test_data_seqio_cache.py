@@ -160,7 +160,7 @@ def test_a_cache_whose_ids_do_not_fit_the_vocabulary(tmp_path):
   with pytest.raises(UserError) as e:
     register(vocab=small).get_dataset(None, "validation", use_cached=True)
   msg = _one_line(e)
-  assert "vocabulary has 259 ids" in msg and "another vocabulary" in msg
+  assert "vocabulary has 259 ids" in msg and "another vocabulary" in msg and "record " in msg
   assert not list((tmp_path / "caches" / "bible_cached").glob(".*"))  # nothing beside it
 
 

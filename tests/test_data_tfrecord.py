@@ -211,3 +211,11 @@ def test_content_fingerprint_ignores_where_the_files_are(tmp_path):
   changed = seqio.TFExampleDataSource({"train": str(tmp_path / "pairs.tfrecord-*")}, DESCRIPTION)
   assert changed.get("train").content_fingerprint() != there.get("train").content_fingerprint()
   assert isinstance(sources.files_content_digest([PLAIN.replace("*", "00000")]), str)
+
+
+def test_not_an_array_record_file(tmp_path):
+  path = tmp_path / "x.array_record"
+  path.write_bytes(b"\x00garbage" * 100)
+  with pytest.raises(UserError) as e:
+    seqio.ArrayRecordDataSource({"train": str(path)}).get("train")
+  assert "not a readable ArrayRecord file" in _one_line(e) and str(path) in str(e.value)

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import SHARED
 from t5forge.convert import native
-from train_helpers import ROOT, fingerprints, final_params, kill_when, read_jsonl
+from train_helpers import ROOT, fingerprints, final_params, kill_when, read_jsonl, write_gin
 
 pytestmark = pytest.mark.slow
 
@@ -48,23 +48,6 @@ seqio.TaskRegistry.add("bible_hub",
                        metric_fns=[t5forge.metrics.bleu])
 '''
 
-RUN_GIN = """
-include 'runs/pretrain.gin'
-include 'models/t5_1_1/tiny.gin'
-MIXTURE_OR_TASK_MODULE = 'tasks'
-MIXTURE_OR_TASK_NAME = 'bible_cached'
-TASK_FEATURE_LENGTHS = {'inputs': 32, 'targets': 32}
-TRAIN_STEPS = 20
-BATCH_SIZE = 8
-DROPOUT_RATE = 0.0
-EVAL_PERIOD = 1000
-EVAL_STEPS = 2
-network.ModelConfig.vocab_size = 1024
-network.ModelConfig.dtype = 'float32'
-utils.SaveCheckpointConfig.period = 5
-train_script.train.stats_period = 5
-train_script.train.record_batch_fingerprints = True
-"""
 
 # task, flags, environment, validation examples
 TFDS = ("bible_cached", [f"--tfds_data_dir={os.path.join(FORMATS, 'tfds_tfrecord')}"], {}, 240)
@@ -76,7 +59,8 @@ HUB = ("bible_hub", [], {"HF_HUB_OFFLINE": "1",
 def user_dir(tmp_path_factory):
   d = tmp_path_factory.mktemp("user")
   (d / "tasks.py").write_text(TASKS_PY)
-  (d / "run.gin").write_text(RUN_GIN)
+  write_gin(d / "run.gin", steps=20, period=5, stats_period=5,
+            extra="MIXTURE_OR_TASK_MODULE = 'tasks'\n")
   return d
 
 
@@ -92,7 +76,8 @@ def _env(user_dir, extra):
 def _train_cmd(user_dir, model_dir, task, flags):
   return [sys.executable, "-m", "t5forge", "train", f"--gin_file={user_dir / 'run.gin'}",
           f"--gin_search_paths={user_dir}", f'--gin.MODEL_DIR="{model_dir}"',
-          f'--gin.MIXTURE_OR_TASK_NAME="{task}"', *flags]
+          f'--gin.MIXTURE_OR_TASK_NAME="{task}"', "--gin.network.ModelConfig.vocab_size=1024",
+          *flags]
 
 
 def _run(cmd, user_dir, extra_env):

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from t5forge.data import files
+from t5forge.data.array_records import ArrayRecordFiles
 from t5forge.data import sources as src
 from t5forge.data.vocab import Vocabulary
 from t5forge.errors import UserError
@@ -104,15 +105,14 @@ class RecordSource(src.SplitSource):
   """A cached offline stage: msgpack records in an ArrayRecord file."""
 
   def __init__(self, path: str):
-    import grain
     self._path = path
-    self._source = grain.sources.ArrayRecordDataSource([path])
+    self._records = ArrayRecordFiles([path])
 
   def __len__(self):
-    return len(self._source)
+    return len(self._records)
 
   def __getitem__(self, i):
-    return decode_example(self._source[int(i)])
+    return decode_example(self._records.read(int(i)))
 
   def fingerprint(self):
     return self._path

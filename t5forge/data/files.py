@@ -332,7 +332,57 @@ def sample_digest(path: str) -> str:
   return h.hexdigest()
 
 
-class LineFiles:
+class Where:
+  """'record R of FILE' for messages, formatted only when a message is: decoding passes one
+  per record. `files` has `locate(i) -> (file number, record number)` and `paths`."""
+
+  __slots__ = ("_files", "_i")
+
+  def __init__(self, files, i: int):
+    self._files, self._i = files, i
+
+  def __str__(self) -> str:
+    f, r = self._files.locate(self._i)
+    return f"record {r} of {self._files.paths[f]}"
+
+  def __format__(self, spec: str) -> str:
+    return format(str(self), spec)
+
+
+class PlainFiles:
+  """Reads byte ranges of several seekable files (`pread`): one descriptor a file, opened
+  on first use and never shared with a forked child (Grain's workers)."""
+
+  def __init__(self, plain: Sequence[str]):
+    self._plain = list(plain)
+    self._fds: dict[int, int] = {}
+    self._pid = os.getpid()
+    self._lock = threading.Lock()
+
+  def _fd(self, f: int) -> int:
+    if os.getpid() != self._pid:  # after a fork, never share file offsets/handles
+      self._fds, self._pid = {}, os.getpid()
+    fd = self._fds.get(f)
+    if fd is None:
+      with self._lock:
+        fd = self._fds.get(f)
+        if fd is None:
+          fd = self._fds[f] = os.open(self._plain[f], os.O_RDONLY)
+    return fd
+
+  def pread(self, f: int, size: int, offset: int) -> bytes:
+    """`size` bytes of file `f` from byte `offset`."""
+    return os.pread(self._fd(f), size, offset)
+
+  def __del__(self):
+    for fd in getattr(self, "_fds", {}).values():
+      try:
+        os.close(fd)
+      except OSError:
+        pass
+
+
+class LineFiles(PlainFiles):
   """Random access to the non-empty lines of several files, in file order.
 
   Args:
@@ -343,7 +393,7 @@ class LineFiles:
   def __init__(self, files: Sequence[str], skip_header_lines: int = 0):
     self._files = list(files)
     self._skip = skip_header_lines
-    self._plain: list[str] = []
+    plain_files: list[str] = []
     self._rows: list[np.ndarray | None] = []  # selected line numbers, None = all
     self._index: list[np.ndarray] = []
     counts = []
@@ -358,14 +408,12 @@ class LineFiles:
       rows = None
       if not nonempty.all() or skip_header_lines:
         rows = np.flatnonzero(nonempty)[skip_header_lines:]
-      self._plain.append(plain)
+      plain_files.append(plain)
       self._index.append(index)
       self._rows.append(rows)
       counts.append(len(nonempty) if rows is None else len(rows))
     self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    self._fds: dict[int, int] = {}
-    self._pid = os.getpid()
-    self._lock = threading.Lock()
+    super().__init__(plain_files)
 
   @property
   def files(self) -> list[str]:
@@ -394,24 +442,13 @@ class LineFiles:
     n = len(self._index[f]) - 1
     return np.arange(n) if self._rows[f] is None else self._rows[f]
 
-  def _fd(self, f: int) -> int:
-    if os.getpid() != self._pid:  # after a fork, never share file offsets/handles
-      self._fds, self._pid = {}, os.getpid()
-    fd = self._fds.get(f)
-    if fd is None:
-      with self._lock:
-        fd = self._fds.get(f)
-        if fd is None:
-          fd = self._fds[f] = os.open(self._plain[f], os.O_RDONLY)
-    return fd
-
   def read(self, i: int) -> tuple[str, str, int]:
     """Returns (line text, origin file, 1-based line number) of example `i`."""
     if not 0 <= i < len(self):
       raise IndexError(f"index {i} out of range for {len(self)} lines")
     f, line = self.locate(i)
     start, end = self._index[f][line, 0], self._index[f][line + 1, 0]
-    raw = os.pread(self._fd(f), int(end - start), int(start))
+    raw = self.pread(f, int(end - start), int(start))
     return raw.decode("utf-8").rstrip("\r\n"), self._files[f], line + 1
 
   def content_digest(self) -> str:
@@ -430,13 +467,6 @@ class LineFiles:
 
   def __setstate__(self, state):
     self.__init__(state["files"], state["skip"])
-
-  def __del__(self):
-    for fd in getattr(self, "_fds", {}).values():
-      try:
-        os.close(fd)
-      except OSError:
-        pass
 
 
 def _ends_with_newline(plain: str, size: int) -> bool:

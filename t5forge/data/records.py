@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import os
 import struct
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -120,7 +118,7 @@ def _compression(path: str, compression_type: str | None) -> str:
   return key
 
 
-class RecordFiles:
+class RecordFiles(files.PlainFiles):
   """Random access to the records of several TFRecord files, in file order.
 
   Args:
@@ -134,7 +132,7 @@ class RecordFiles:
                lengths: Sequence[int] | None = None):
     self._paths = list(paths)
     self._compression = compression_type
-    self._plain, self._index = [], []
+    plain_files, self._index = [], []
     counts = []
     for k, path in enumerate(self._paths):
       plain = files.plain_copy(path, _compression(path, compression_type))
@@ -146,16 +144,14 @@ class RecordFiles:
         raise UserError(f"{path}: holds {len(index)} records where {int(lengths[k])} are "
                         "recorded for it; the file is incomplete or from another version of "
                         "the dataset: copy or prepare it again")
-      self._plain.append(plain)
+      plain_files.append(plain)
       self._index.append(index)
       counts.append(len(index))
     self._counts = counts
     self._starts = [0]
     for c in counts:
       self._starts.append(self._starts[-1] + c)
-    self._fds: dict[int, int] = {}
-    self._pid = os.getpid()
-    self._lock = threading.Lock()
+    super().__init__(plain_files)
 
   @property
   def paths(self) -> list[str]:
@@ -174,17 +170,6 @@ class RecordFiles:
     f = bisect.bisect_right(self._starts, i) - 1
     return f, i - self._starts[f]
 
-  def _fd(self, f: int) -> int:
-    if os.getpid() != self._pid:  # after a fork, never share descriptors
-      self._fds, self._pid = {}, os.getpid()
-    fd = self._fds.get(f)
-    if fd is None:
-      with self._lock:
-        fd = self._fds.get(f)
-        if fd is None:
-          fd = self._fds[f] = os.open(self._plain[f], os.O_RDONLY)
-    return fd
-
   def read(self, i: int) -> bytes:
     """The data of record `i` (its checksum verified)."""
     if not 0 <= i < len(self):
@@ -192,16 +177,16 @@ class RecordFiles:
     f, r = self.locate(i)
     index = self._index[f]
     offset, length = index.item(r, 0), index.item(r, 1)
-    raw = os.pread(self._fd(f), length + 4, offset)
+    raw = self.pread(f, length + 4, offset)
     data = raw[:length]
     if len(raw) != length + 4 or masked_crc(data) != struct.unpack("<I", raw[length:])[0]:
       raise UserError(f"{self._paths[f]}: record {r} (byte {offset - _HEADER}) changed since it "
                       "was indexed or is damaged (CRC mismatch); copy or write the file again")
     return data
 
-  def where(self, i: int) -> "Where":
+  def where(self, i: int) -> files.Where:
     """Names record `i` in messages ('record R of FILE'), formatted only when used."""
-    return Where(self, i)
+    return files.Where(self, i)
 
   def content_digest(self) -> str:
     """The records' content (each file's sampled digest and record layout), not the
@@ -217,29 +202,6 @@ class RecordFiles:
 
   def __setstate__(self, state):
     self.__init__(state["paths"], state["compression"])
-
-  def __del__(self):
-    for fd in getattr(self, "_fds", {}).values():
-      try:
-        os.close(fd)
-      except OSError:
-        pass
-
-
-class Where:
-  """'record R of FILE', built only when a message is: decoding passes one per record."""
-
-  __slots__ = ("_records", "_i")
-
-  def __init__(self, records: RecordFiles, i: int):
-    self._records, self._i = records, i
-
-  def __str__(self) -> str:
-    f, r = self._records.locate(self._i)
-    return f"record {r} of {self._records.paths[f]}"
-
-  def __format__(self, spec: str) -> str:
-    return format(str(self), spec)
 
 
 # ----------------------------------------------------------------------------------- split sources

@@ -27,9 +27,9 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import numpy as np
 
-from t5forge.data import files, records, sources, tf_example
+from t5forge.data import records, sources, tf_example
+from t5forge.data.array_records import ArrayRecordFiles
 from t5forge.errors import UserError
 
 _cache_dirs: list[str] = []
@@ -158,12 +158,9 @@ class CachedSplitSource(sources.SplitSource):
     paths, fmt = self._shards(num_shards)
     if fmt == "tfrecord":
       self._records = records.RecordFiles(paths, compression_type="")
-      total = len(self._records)
     else:
-      import grain
-      self._records = None
-      self._array = grain.sources.ArrayRecordDataSource(paths)
-      total = len(self._array)
+      self._records = ArrayRecordFiles(paths)
+    total = len(self._records)
     if total != self._count:
       raise UserError(f"{directory}: the {split!r} shards hold {total} examples where "
                       f"stats.{split}.json says {self._count}; the cache is damaged: write it "
@@ -185,50 +182,44 @@ class CachedSplitSource(sources.SplitSource):
                     f"{num_shards:05d} or .array_record-...); the cache is damaged: write it "
                     "again")
 
-  def _raw(self, i: int) -> tuple[bytes, Any]:
-    if self._records is not None:
-      return self._records.read(i), self._records.where(i)
-    return self._array[i], f"record {i} of {sources.describe_files(self._paths)}"
-
   def __len__(self):
     return self._count
 
   def __getitem__(self, i):
-    data, where = self._raw(int(i))
-    ex = self._decoder(data, where)
-    out = {}
-    for k, v in ex.items():
-      dtype = self._dtypes.get(k)
-      if isinstance(v, np.ndarray) and dtype in ("int32", "bool", "float32", "int64"):
-        v = v.astype(dtype)
-      # Caches written before SeqIO renamed the feature.
-      out[k[:-len("_plaintext")] + "_pretokenized" if k.endswith("_plaintext") else k] = v
-    return out
+    i = int(i)
+    ex = self._decoder(self._records.read(i), self._records.where(i))
+    for k, size in self._checked:
+      v = ex.get(k)
+      if v is not None and v.size and (top := int(v.max())) >= size:
+        self._refuse(k, top, self._records.where(i))
+    for old, new in self._renamed:  # caches written before SeqIO renamed the feature
+      if old in ex:
+        ex[new] = ex.pop(old)
+    return ex
+
+  # Records checked when the split is opened, evenly spaced; the rest as they are read.
+  _SAMPLE = 2000
 
   def _check_vocabulary(self) -> None:
-    """Token ids of the vocabulary-backed features must fit the task's vocabularies. The
-    largest id of each feature is found once per cache (one pass) and remembered."""
-    keys = [k for k in self._vocab_sizes if self._dtypes.get(k) in ("int32", "int64")]
-    if not keys:
+    """Token ids of the vocabulary-backed features must fit the task's vocabularies:
+    checked on a sample when the split is opened (a cache written with another
+    vocabulary fails there, before training starts) and on every example read."""
+    self._checked = [(k, int(n)) for k, n in self._vocab_sizes.items()
+                     if self._dtypes.get(k) in ("int32", "int64")]
+    self._renamed = [(k, k[:-len("_plaintext")] + "_pretokenized") for k in self._dtypes
+                     if k.endswith("_plaintext")]
+    if not self._checked or not self._count:
       return
-    digest = self.content_fingerprint()
-    memo = os.path.join(files.cache_root(), "seqio", f"{digest}.max_ids.json")
-    try:
-      with open(memo, encoding="utf-8") as f:
-        max_ids = json.load(f)
-    except (OSError, ValueError):
-      max_ids = {}
-      for i in range(self._count):
-        for k, v in self[i].items():
-          if k in self._dtypes and self._dtypes[k] in ("int32", "int64") and np.size(v):
-            max_ids[k] = max(max_ids.get(k, -1), int(np.max(v)))
-      files.atomic_write_bytes(memo, json.dumps(max_ids).encode())
-    for k in keys:
-      if max_ids.get(k, -1) >= self._vocab_sizes[k]:
-        raise UserError(f"{self._dir}: cached {self._split!r} feature {k!r} holds token id "
-                        f"{max_ids[k]}, but the task's vocabulary has {self._vocab_sizes[k]} "
-                        "ids; the cache was written with another vocabulary: write it again "
-                        "with this task's, or use this task without use_cached")
+    step = max(1, self._count // self._SAMPLE)
+    for i in range(0, self._count, step):
+      self[i]
+
+  def _refuse(self, key: str, token: int, where) -> None:
+    raise UserError(f"{self._dir}: cached {self._split!r} feature {key!r} holds token id "
+                    f"{token} ({where}), but the task's vocabulary has "
+                    f"{dict(self._checked)[key]} ids; the cache was written with another "
+                    "vocabulary: write it again with this task's, or use this task without "
+                    "use_cached")
 
   def fingerprint(self):
     return f"{sources.files_fingerprint(self._paths)}:seqio-cache"

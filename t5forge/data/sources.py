@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from t5forge.data import tf_example
+from t5forge.data.array_records import ArrayRecordFiles
 from t5forge.data.files import LineFiles, expand_patterns, sample_digest, stamp
 from t5forge.errors import UserError
 
@@ -192,12 +193,11 @@ class ArrayRecordSource(SplitSource):
   def __init__(self, patterns: str | Sequence[str], *,
                decode: str | Callable[[bytes], dict] = "auto",
                description: tf_example.ExampleDecoder | None = None):
-    import grain
     self._files = expand_patterns(patterns)
-    self._source = grain.sources.ArrayRecordDataSource(self._files)
+    self._records = ArrayRecordFiles(self._files)
     self._mode = decode if isinstance(decode, str) else "callable"
     if decode == "auto":
-      first = self._source[0] if len(self._source) else b"{}"
+      first = self._records.read(0) if len(self._records) else b"{}"
       self._mode = "tf_example" if tf_example.looks_like_example(first) else "json"
     if self._mode == "tf_example":
       self._decode = description or tf_example.ExampleDecoder()
@@ -205,17 +205,14 @@ class ArrayRecordSource(SplitSource):
       self._decode = _json_record if self._mode == "json" else decode
 
   def __len__(self):
-    return len(self._source)
+    return len(self._records)
 
   def __getitem__(self, i):
     i = int(i)
-    data = self._source[i]
+    data = self._records.read(i)
     if self._mode == "callable":
       return self._decode(data)
-    return self._decode(data, where=self._where(i))
-
-  def _where(self, i: int) -> str:
-    return f"record {i} of {describe_files(self._files)}"
+    return self._decode(data, self._records.where(i))
 
   def fingerprint(self):
     return f"{files_fingerprint(self._files)}:{self._mode}:{_decoder_key(self._decode)}"

@@ -32,7 +32,8 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from t5forge.data import files, records, sources, tfds_features
+from t5forge.data import records, sources, tfds_features
+from t5forge.data.array_records import ArrayRecordFiles
 from t5forge.errors import UserError
 
 _override: str | None = None
@@ -375,7 +376,7 @@ class TfdsSplitSource(sources.SplitSource):
                         "directory again")
     if self._info.file_format == "tfrecord":
       return records.RecordFiles(paths, compression_type="", lengths=lengths)
-    return _ArrayRecordShards(paths, lengths)
+    return ArrayRecordFiles(paths, lengths)
 
   def __len__(self):
     return self._len
@@ -405,39 +406,6 @@ class TfdsSplitSource(sources.SplitSource):
 
   def __setstate__(self, state):
     self.__init__(read_info(state["directory"]), state["spec"])
-
-
-class _ArrayRecordShards:
-  """ArrayRecord shards with the `read(i)` / `where(i)` of `records.RecordFiles`."""
-
-  def __init__(self, paths: Sequence[str], lengths: Sequence[int]):
-    from array_record.python.array_record_module import ArrayRecordReader
-    import grain
-    for path, n in zip(paths, lengths):
-      try:
-        reader = ArrayRecordReader(path)
-        count = reader.num_records()
-        reader.close()
-      except Exception as e:  # the C++ reader's errors are RuntimeError / ValueError
-        raise UserError(f"{path}: not a readable ArrayRecord file ({str(e).splitlines()[0]}); "
-                        "copy or prepare it again") from None
-      if count != int(n):
-        raise UserError(f"{path}: holds {count} records where {int(n)} are recorded for it; the "
-                        "file is incomplete or from another version of the dataset: copy or "
-                        "prepare it again")
-    self._paths = list(paths)
-    self._counts = [int(n) for n in lengths]
-    self._source = grain.sources.ArrayRecordDataSource(self._paths)
-
-  def read(self, i: int) -> bytes:
-    return self._source[i]
-
-  def where(self, i: int) -> str:
-    for path, n in zip(self._paths, self._counts):
-      if i < n:
-        return f"record {i} of {path}"
-      i -= n
-    return "a record"
 
 
 # ----------------------------------------------------------------------------------- data source
