@@ -200,12 +200,21 @@ class Decoder:
 
   def _fill(self, node, feature_map, where):
     if isinstance(node, _Leaf):
+      if not node.seq_rank and not node.shape and node.encoding == "none":
+        # The common case, one text or number, without the general path below.
+        feature = feature_map.get(node.key)
+        if feature is not None:
+          values = getattr(feature, _stored(node)).value
+          if len(values) == 1:
+            v = values[0]
+            if node.dtype == "string":
+              return _text(v)
+            return v if node.dtype not in ("bool",) else bool(v)
       return self._leaf(node, feature_map, where)
     return {k: self._fill(v, feature_map, where) for k, v in node.items()}
 
   def _leaf(self, leaf: _Leaf, feature_map, where: Any) -> Any:
-    stored = "bytes_list" if leaf.dtype == "string" or leaf.encoding != "none" else (
-        "float_list" if leaf.dtype.startswith(("float", "bfloat")) else "int64_list")
+    stored = _stored(leaf)
     if leaf.seq_rank > 1:
       return self._ragged(leaf, feature_map, where, stored)
     dynamic = sum(d is None for d in leaf.shape) > 1
@@ -272,6 +281,13 @@ class Decoder:
     for row in reversed(lengths):
       items = _split_rows(items, row)
     return items
+
+
+def _stored(leaf: _Leaf) -> str:
+  """The Feature list a leaf's values are stored in."""
+  if leaf.dtype == "string" or leaf.encoding != "none":
+    return "bytes_list"
+  return "float_list" if leaf.dtype.startswith(("float", "bfloat")) else "int64_list"
 
 
 def _np_dtype(dtype: str):
