@@ -9,12 +9,9 @@ threads compete with the pipeline's own work for the cores.
 """
 from __future__ import annotations
 
-import bisect
-import os
-import threading
 from collections.abc import Sequence
 
-from t5forge.data.files import Where
+from t5forge.data.files import ProcessHandles, RecordCounts
 from t5forge.errors import UserError
 
 _OPTIONS = "readahead_buffer_size:0,max_parallelism:0"
@@ -45,7 +42,7 @@ def _count(path: str) -> int:
     raise _unreadable(path, e) from None
 
 
-class ArrayRecordFiles:
+class ArrayRecordFiles(ProcessHandles, RecordCounts):
   """The records of several ArrayRecord files, in file order.
 
   Args:
@@ -55,48 +52,21 @@ class ArrayRecordFiles:
   """
 
   def __init__(self, paths: Sequence[str], lengths: Sequence[int] | None = None):
-    self._paths = list(paths)
     counts = []
-    for k, path in enumerate(self._paths):
+    for k, path in enumerate(paths):
       counts.append(_count(path))
       if lengths is not None and counts[-1] != int(lengths[k]):
         raise UserError(f"{path}: holds {counts[-1]} records where {int(lengths[k])} are "
                         "recorded for it; the file is incomplete or from another version of "
                         "the dataset: copy or prepare it again")
-    self._counts = counts
-    self._starts = [0]
-    for c in counts:
-      self._starts.append(self._starts[-1] + c)
-    self._readers: dict[int, object] = {}
-    self._pid = os.getpid()
-    self._lock = threading.Lock()
+    self._count_records(paths, counts)
+    self._init_handles()
 
-  @property
-  def paths(self) -> list[str]:
-    return list(self._paths)
+  def _open_handle(self, f: int):
+    return _open(self._paths[f])
 
-  @property
-  def counts(self) -> list[int]:
-    return list(self._counts)
-
-  def __len__(self) -> int:
-    return self._starts[-1]
-
-  def locate(self, i: int) -> tuple[int, int]:
-    """Global record index -> (file number, record number within the file)."""
-    f = bisect.bisect_right(self._starts, i) - 1
-    return f, i - self._starts[f]
-
-  def _reader(self, f: int):
-    if os.getpid() != self._pid:  # a forked child opens its own
-      self._readers, self._pid = {}, os.getpid()
-    reader = self._readers.get(f)
-    if reader is None:
-      with self._lock:
-        reader = self._readers.get(f)
-        if reader is None:
-          reader = self._readers[f] = _open(self._paths[f])
-    return reader
+  def _close_handle(self, handle) -> None:
+    handle.close()
 
   def read(self, i: int) -> bytes:
     """The bytes of record `i`."""
@@ -104,11 +74,7 @@ class ArrayRecordFiles:
       raise IndexError(f"record {i} out of range for {len(self)} records")
     f, r = self.locate(i)
     # The range form: the list form's cost grows with the number of records in the file.
-    return self._reader(f).read(r, r + 1)[0]
-
-  def where(self, i: int) -> Where:
-    """Names record `i` in messages ('record R of FILE'), formatted only when used."""
-    return Where(self, i)
+    return self._handle(f).read(r, r + 1)[0]
 
   def __getstate__(self):
     return {"paths": self._paths, "counts": self._counts}
@@ -116,9 +82,3 @@ class ArrayRecordFiles:
   def __setstate__(self, state):
     self.__init__(state["paths"], state["counts"])
 
-  def __del__(self):
-    for reader in getattr(self, "_readers", {}).values():
-      try:
-        reader.close()
-      except Exception:  # closing at interpreter exit: nothing to report to
-        pass

@@ -17,6 +17,7 @@ processes it starts) that is removed when it exits.
 from __future__ import annotations
 
 import atexit
+import bisect
 import glob
 import gzip
 import hashlib
@@ -26,6 +27,7 @@ import tempfile
 import threading
 import zlib
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -349,37 +351,88 @@ class Where:
     return format(str(self), spec)
 
 
-class PlainFiles:
-  """Reads byte ranges of several seekable files (`pread`): one descriptor a file, opened
-  on first use and never shared with a forked child (Grain's workers)."""
+class RecordCounts:
+  """Numbers the records of several files, file after file (a mixin; `_count_records`)."""
 
-  def __init__(self, plain: Sequence[str]):
-    self._plain = list(plain)
-    self._fds: dict[int, int] = {}
+  def _count_records(self, paths: Sequence[str], counts: Sequence[int]) -> None:
+    self._paths = list(paths)
+    self._counts = [int(c) for c in counts]
+    self._starts = [0]
+    for c in self._counts:
+      self._starts.append(self._starts[-1] + c)
+
+  @property
+  def paths(self) -> list[str]:
+    return self._paths
+
+  @property
+  def counts(self) -> list[int]:
+    """Records per file."""
+    return list(self._counts)
+
+  def __len__(self) -> int:
+    return self._starts[-1]
+
+  def locate(self, i: int) -> tuple[int, int]:
+    """Global record index -> (file number, record number within the file)."""
+    f = bisect.bisect_right(self._starts, i) - 1
+    return f, i - self._starts[f]
+
+  def where(self, i: int) -> Where:
+    """Names record `i` in messages ('record R of FILE'), formatted only when used."""
+    return Where(self, i)
+
+
+class ProcessHandles:
+  """One open handle a file, opened on first use and never shared with a forked child
+  (Grain's workers): a subclass says how to open (`_open_handle`) and close one."""
+
+  def _init_handles(self) -> None:
+    self._handles: dict[int, Any] = {}
     self._pid = os.getpid()
     self._lock = threading.Lock()
 
-  def _fd(self, f: int) -> int:
+  def _open_handle(self, f: int) -> Any:
+    raise NotImplementedError
+
+  def _close_handle(self, handle: Any) -> None:
+    raise NotImplementedError
+
+  def _handle(self, f: int) -> Any:
     if os.getpid() != self._pid:  # after a fork, never share file offsets/handles
-      self._fds, self._pid = {}, os.getpid()
-    fd = self._fds.get(f)
-    if fd is None:
+      self._handles, self._pid = {}, os.getpid()
+    handle = self._handles.get(f)
+    if handle is None:
       with self._lock:
-        fd = self._fds.get(f)
-        if fd is None:
-          fd = self._fds[f] = os.open(self._plain[f], os.O_RDONLY)
-    return fd
+        handle = self._handles.get(f)
+        if handle is None:
+          handle = self._handles[f] = self._open_handle(f)
+    return handle
+
+  def __del__(self):
+    for handle in getattr(self, "_handles", {}).values():
+      try:
+        self._close_handle(handle)
+      except Exception:  # closing at interpreter exit: nothing to report to
+        pass
+
+
+class PlainFiles(ProcessHandles):
+  """Reads byte ranges of several seekable files (`pread`)."""
+
+  def __init__(self, plain: Sequence[str]):
+    self._plain = list(plain)
+    self._init_handles()
+
+  def _open_handle(self, f: int) -> int:
+    return os.open(self._plain[f], os.O_RDONLY)
+
+  def _close_handle(self, handle: int) -> None:
+    os.close(handle)
 
   def pread(self, f: int, size: int, offset: int) -> bytes:
     """`size` bytes of file `f` from byte `offset`."""
-    return os.pread(self._fd(f), size, offset)
-
-  def __del__(self):
-    for fd in getattr(self, "_fds", {}).values():
-      try:
-        os.close(fd)
-      except OSError:
-        pass
+    return os.pread(self._handle(f), size, offset)
 
 
 class LineFiles(PlainFiles):

@@ -19,7 +19,6 @@ Sources:
 """
 from __future__ import annotations
 
-import bisect
 import hashlib
 import struct
 from collections.abc import Callable, Mapping, Sequence
@@ -118,7 +117,7 @@ def _compression(path: str, compression_type: str | None) -> str:
   return key
 
 
-class RecordFiles(files.PlainFiles):
+class RecordFiles(files.PlainFiles, files.RecordCounts):
   """Random access to the records of several TFRecord files, in file order.
 
   Args:
@@ -130,11 +129,10 @@ class RecordFiles(files.PlainFiles):
 
   def __init__(self, paths: Sequence[str], compression_type: str | None = None,
                lengths: Sequence[int] | None = None):
-    self._paths = list(paths)
     self._compression = compression_type
     plain_files, self._index = [], []
     counts = []
-    for k, path in enumerate(self._paths):
+    for k, path in enumerate(paths):
       plain = files.plain_copy(path, _compression(path, compression_type))
       # In the cache dir only: record files often sit in directories other tools own
       # (prepared TFDS datasets, SeqIO caches), shared between machines.
@@ -147,28 +145,8 @@ class RecordFiles(files.PlainFiles):
       plain_files.append(plain)
       self._index.append(index)
       counts.append(len(index))
-    self._counts = counts
-    self._starts = [0]
-    for c in counts:
-      self._starts.append(self._starts[-1] + c)
+    self._count_records(paths, counts)
     super().__init__(plain_files)
-
-  @property
-  def paths(self) -> list[str]:
-    return self._paths
-
-  @property
-  def counts(self) -> list[int]:
-    """Records per file."""
-    return list(self._counts)
-
-  def __len__(self) -> int:
-    return self._starts[-1]
-
-  def locate(self, i: int) -> tuple[int, int]:
-    """Global record index -> (file number, record number within the file)."""
-    f = bisect.bisect_right(self._starts, i) - 1
-    return f, i - self._starts[f]
 
   def read(self, i: int) -> bytes:
     """The data of record `i` (its checksum verified)."""
@@ -183,10 +161,6 @@ class RecordFiles(files.PlainFiles):
       raise UserError(f"{self._paths[f]}: record {r} (byte {offset - _HEADER}) changed since it "
                       "was indexed or is damaged (CRC mismatch); copy or write the file again")
     return data
-
-  def where(self, i: int) -> files.Where:
-    """Names record `i` in messages ('record R of FILE'), formatted only when used."""
-    return files.Where(self, i)
 
   def content_digest(self) -> str:
     """The records' content (each file's sampled digest and record layout), not the
