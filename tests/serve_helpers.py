@@ -43,11 +43,11 @@ class Server:
   known before the ready line); `.wait_ready()` then waits for that line."""
 
   def __init__(self, checkpoint: str, *flags: str, wait: bool = True, timeout: float = 300,
-               env: dict | None = None):
+               env: dict | None = None, cwd: str = ROOT):
     self.port = free_port()
     self.proc = subprocess.Popen(  # pylint: disable=consider-using-with
         [sys.executable, "-m", "t5forge", "serve", "--checkpoint", checkpoint, "--port",
-         str(self.port), *flags], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+         str(self.port), *flags], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, env=env)
     self.url = f"http://127.0.0.1:{self.port}"
     self._lines: list[str] = []

@@ -18,6 +18,7 @@ one damaged checkpoint directory is a one-line UserError.
 from __future__ import annotations
 
 import os
+import pathlib
 import re
 import shutil
 import sys
@@ -113,7 +114,34 @@ def save(path: str, config: ModelConfig, params: dict, *, extra_config: dict | N
 def read_config(path: str) -> dict:
   """The JSON config item of a checkpoint: {"model": {...}, ...}."""
   ocp, ckpt = _checkpointer()
-  return ckpt.restore(path, ocp.args.Composite(**{CONFIG: ocp.args.JsonRestore()}))[CONFIG]
+  # Orbax takes absolute paths only.
+  return ckpt.restore(os.path.abspath(path),
+                      ocp.args.Composite(**{CONFIG: ocp.args.JsonRestore()}))[CONFIG]
+
+
+def _shape_difference(path: str, abstract_params) -> str | None:
+  """The first parameter whose stored name or shape differs from `abstract_params`'s
+  ('encoder/.../kernel: stored (64, 32), config (64, 16)'), None when all agree (or the
+  stored shapes cannot be read: then the restore's own error says what went wrong)."""
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  try:
+    stored = ocp.StandardCheckpointHandler().metadata(pathlib.Path(path) / PARAMS)
+  except Exception:  # pylint: disable=broad-except  # unreadable metadata: no verdict
+    return None
+
+  def shapes(tree):
+    return {"/".join(str(getattr(k, "key", k)) for k in key): tuple(getattr(v, "shape", ()))
+            for key, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+  have, want = shapes(stored), shapes(abstract_params)
+  for name in sorted(set(have) | set(want)):
+    if name not in have:
+      return f"{name}: not in the checkpoint"
+    if name not in want:
+      return f"{name}: in the checkpoint, not in the config"
+    if have[name] != want[name]:
+      return f"{name}: stored {have[name]}, config {want[name]}"
+  return None
 
 
 def load(path: str, *, abstract_params=None) -> tuple[ModelConfig, dict, dict]:
@@ -132,14 +160,15 @@ def load(path: str, *, abstract_params=None) -> tuple[ModelConfig, dict, dict]:
   ocp, ckpt = _checkpointer()
   if not is_native_checkpoint(path):
     raise UserError(f"{path}: not a t5forge checkpoint (needs params/ and config/ inside)")
+  where, path = path, os.path.abspath(path)  # messages keep the user's spelling
   note = manifest.verify(path)
   if note:
     print(f"note: {note}", file=sys.stderr)
   try:
     meta = read_config(path)
   except Exception as e:  # pylint: disable=broad-except  # damage Orbax meets, in any form
-    raise manifest.unreadable(path, e) from None
-  config = ModelConfig.from_dict(meta["model"], source=os.path.join(path, CONFIG))
+    raise manifest.unreadable(where, e) from None
+  config = ModelConfig.from_dict(meta["model"], source=os.path.join(where, CONFIG))
   if abstract_params is None:
     from t5forge.nn import abstract_params as _abstract  # pylint: disable=import-outside-toplevel
     # Place on this process's first device: a checkpoint written by another mesh or
@@ -147,15 +176,17 @@ def load(path: str, *, abstract_params=None) -> tuple[ModelConfig, dict, dict]:
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     abstract_params = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), _abstract(config))
+  # Compared before restoring: Orbax restores a stored array into a target of another
+  # shape without a word.
+  difference = _shape_difference(path, abstract_params)
+  if difference:
+    raise UserError(f"{where}: parameters do not match the config stored with them "
+                    f"({difference})")
   try:
     restored = ckpt.restore(path, ocp.args.Composite(**{
         PARAMS: ocp.args.StandardRestore(abstract_params)}))
-  except (ValueError, KeyError) as e:
-    if note:  # unverified: as likely damage as a mismatch
-      raise manifest.unreadable(path, e) from None
-    raise UserError(f"{path}: parameters do not match the config stored with them ({e})") from None
-  except Exception as e:  # pylint: disable=broad-except
-    raise manifest.unreadable(path, e) from None
+  except Exception as e:  # pylint: disable=broad-except  # Orbax raises many kinds
+    raise manifest.unreadable(where, e) from None
   return config, restored[PARAMS], meta
 
 
