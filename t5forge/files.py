@@ -1,0 +1,124 @@
+"""Writing files so that readers never see half of one: the one home of atomic writes.
+
+Every writer in t5forge goes through here. A file is written to a temporary sibling and
+renamed over its name (`os.replace` is atomic on POSIX within one filesystem), so a reader,
+a concurrent writer or a run killed half-way sees the old file or the new one, never a torn
+one. A directory is written into a temporary sibling and renamed into place (`staged_dir`).
+
+`jsonable` turns numpy scalars/arrays and bytes into what `json` accepts.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping
+from typing import IO, Any
+
+import numpy as np
+
+from t5forge.errors import UserError
+
+# mkstemp makes 0600 files; what we write (checkpoint metadata, caches a team may share,
+# predictions) is read like any other file.
+_MODE = 0o644
+
+
+@contextlib.contextmanager
+def atomic_file(path: str, binary: bool = False, fsync: bool = False) -> Iterator[IO]:
+  """Yields a file object open for writing; on success it becomes `path` in one rename.
+
+  On an exception the temporary file is removed and `path` is left as it was. The directory
+  of `path` is created if missing. `fsync=True` flushes the bytes to disk before the rename
+  (for files whose loss after a power cut would be worse than a stale copy).
+  """
+  directory = os.path.dirname(os.path.abspath(path))
+  os.makedirs(directory, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.tmp-")
+  try:
+    with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
+      yield f
+      if fsync:
+        f.flush()
+        os.fsync(f.fileno())
+    os.chmod(tmp, _MODE)
+    os.replace(tmp, path)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.unlink(tmp)
+    raise
+
+
+def write_bytes(path: str, data: bytes, fsync: bool = False) -> None:
+  """`data` -> `path`, atomically."""
+  with atomic_file(path, binary=True, fsync=fsync) as f:
+    f.write(data)
+
+
+def write_text(path: str, text: str, fsync: bool = False) -> None:
+  """`text` (UTF-8) -> `path`, atomically."""
+  with atomic_file(path, fsync=fsync) as f:
+    f.write(text)
+
+
+def write_json(path: str, obj: Any, indent: int | None = 2, sort_keys: bool = False,
+               fsync: bool = False) -> None:
+  """`obj` (made `jsonable`) -> `path` as JSON, atomically."""
+  with atomic_file(path, fsync=fsync) as f:
+    json.dump(jsonable(obj), f, indent=indent, sort_keys=sort_keys, ensure_ascii=False)
+    if indent is not None:
+      f.write("\n")
+
+
+def write_lines(path: str, rows: Iterable[Any]) -> int:
+  """One JSON value per line (JSON Lines) -> `path`, atomically; returns the row count."""
+  count = 0
+  with atomic_file(path) as f:
+    for row in rows:
+      f.write(json.dumps(jsonable(row), ensure_ascii=False) + "\n")
+      count += 1
+  return count
+
+
+@contextlib.contextmanager
+def staged_dir(out_dir: str) -> Iterator[str]:
+  """Yields a temporary sibling of `out_dir` to write into, renamed into place at the end.
+
+  The directory appears complete or not at all: a failure removes the sibling. An existing
+  non-empty `out_dir` is refused (a UserError naming it) before anything is written.
+  """
+  out_dir = os.path.abspath(out_dir)
+  if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+    raise UserError(f"{out_dir}: exists and is not empty; choose a new output directory")
+  tmp = out_dir + ".tmp-t5forge"
+  shutil.rmtree(tmp, ignore_errors=True)
+  os.makedirs(tmp)
+  try:
+    yield tmp
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  if os.path.exists(out_dir):
+    os.rmdir(out_dir)
+  os.rename(tmp, out_dir)
+
+
+def jsonable(x: Any, bytes_encoding: str = "utf-8") -> Any:
+  """numpy arrays/scalars -> lists/Python numbers, bytes -> str, mappings -> str-keyed dicts.
+
+  Bytes are decoded with `bytes_encoding` (undecodable bytes replaced); "latin-1" maps every
+  byte to one character and back, for values that must round-trip (grain iterator states).
+  """
+  if isinstance(x, np.ndarray):
+    return x.tolist()
+  if isinstance(x, np.generic):
+    return x.item()
+  if isinstance(x, bytes):
+    return x.decode(bytes_encoding, errors="replace")
+  if isinstance(x, Mapping):
+    return {str(k): jsonable(v, bytes_encoding) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [jsonable(v, bytes_encoding) for v in x]
+  return x
