@@ -1,11 +1,10 @@
 """The host memory allocator: chosen by T5FORGE_MALLOC, applied by the command line first thing.
 
-XLA:CPU allocates the temporaries of every execution with `posix_memalign` and frees
-them when it ends (3.4 GB per flan-t5-small training step at batch 8, 512/114 tokens;
-10.2 GB for flan-t5-base with scan). glibc serves requests that large with a fresh `mmap`
-and returns them with `munmap`, so the next step touches new pages again: measured on a
-2-core AMD EPYC, ~920,000 page faults and ~3 s of kernel time per flan-t5-small step
-(the step took 9.7 s; with glibc keeping freed memory 7.8 s and no faults after the first).
+Why: XLA:CPU allocates the temporaries of every execution (gigabytes for a training step)
+with `posix_memalign` and frees them when it ends; glibc serves blocks that large with a
+fresh `mmap`, so every step faults its temporaries in again, 4 KiB at a time, and spends
+seconds in the kernel. Measurements of every choice: docs/performance.md (history in
+docs/dev/performance-log.md).
 
 T5FORGE_MALLOC picks what the `t5forge` command does about it:
 
@@ -16,25 +15,18 @@ T5FORGE_MALLOC picks what the `t5forge` command does about it:
   (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, glibc 2.35+, the kernel's
   /sys/kernel/mm/transparent_hugepage/enabled `always` or `madvise`). glibc still maps
   each step's temporaries afresh and unmaps them after, so resident memory stays bounded
-  like the system malloc's, but the kernel faults them in 2 MiB at a time: ~1,600 faults
-  a step instead of ~480,000 (flan-t5-small, batch 4), and on a 2-core AMD EPYC the step
-  was 0.99-1.02x `keep`'s, peak RSS 0.99-1.02x the system malloc's, flat over 50 steps
-  (docs/performance.md).
-  What is left is the kernel zeroing the fresh pages. Where it cannot work (not glibc,
-  glibc < 2.35, huge pages `never`), a one-line note and the system allocator.
+  like the system malloc's, but the kernel faults them in 2 MiB at a time. Where it
+  cannot work (not glibc, glibc < 2.35, huge pages `never`), a one-line note and the
+  system allocator.
 - `jemalloc` / `tcmalloc`: that library, or the system allocator with a one-line note
-  when it cannot be loaded. jemalloc (SETTINGS below: one arena, freed pages reused and
-  idle ones returned after 1 s) was `auto` before `hugepages`: 1.13-1.23x `keep`'s step,
-  because the 1 s decay returns the step's block between steps and it is faulted in again
-  4 KiB at a time; peak RSS ~13% below the system malloc's. gperftools' tcmalloc (Debian
-  `libtcmalloc-minimal4`) is not chosen by `auto`: its steps were 57% slower than the
-  system malloc's, 4.8 GiB peak.
+  when it cannot be loaded. jemalloc runs with SETTINGS below (one arena, freed pages
+  reused and idle ones returned after 1 s). `auto` never chooses tcmalloc (slower steps
+  and a higher peak than the system malloc).
 - `keep`: glibc's malloc with one arena, no `mmap` for large blocks and no trimming
   (`keep_freed_memory`). Fast, but XLA releases a step's temporaries a moment after the
   step's outputs are ready, so the next step's can be allocated while the last one's
   still exist; on a heap that never shrinks that can leave the process holding twice the
-  temporaries for good (flan-t5-base, scan, AdamW grew from 14.4 GB past 19 GB in three
-  runs of four, two of them killed for want of memory at 24 GB).
+  temporaries for good.
 - `system`: the C library's malloc as it is.
 - a path (containing `/`): that malloc library, as for `tcmalloc`.
 
@@ -75,8 +67,8 @@ SETTINGS = {
     # AdamW at batch 4) on whichever of its threads starts the step, and a freed block's
     # pages stay in the arena it came from: with jemalloc's arena per thread the next
     # step, on another thread, could not reuse them and touched a second block while the
-    # first waited out dirty_decay_ms (peak 1.29x the system malloc's). One arena costs
-    # little: small blocks come from per-thread caches (step times: docs/performance.md).
+    # first waited out dirty_decay_ms (a higher peak than the system malloc's). One arena
+    # costs little: small blocks come from per-thread caches.
     # oversize_threshold:0: blocks above 8 MiB otherwise go to an arena that returns them
     # at once (glibc's page faults again); background_thread: idle dirty pages are
     # returned after dirty_decay_ms even while every thread is busy in XLA.
