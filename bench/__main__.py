@@ -26,7 +26,7 @@ HF dominates; HF needs ~18 GB there).
 
 Writes bench/results/bench.json (bench_quick.json with --quick; bench_t5gemma.json for
 `matmul t5gemma` or `t5gemma` alone) with machine info,
-every timing, and the targets of issue 7 evaluated as ratios within the run. Worker
+every timing, and the benchmark's targets evaluated as ratios within the run. Worker
 logs: bench/results/.cache/logs/.
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ from bench.prepare import RESULTS_DIR, Context, bf16_hardware, machine_info, pre
 from bench.workers import WorkerError, log
 
 CASES = ("matmul", "train", "decode", "data", "scaling", "t5gemma")
-DEFAULT_CASES = CASES[:-1]  # `python -m bench` alone: issue 7's benchmark, as before
+DEFAULT_CASES = CASES[:-1]  # `python -m bench` alone: the full benchmark, as before
 
 
 def _parse(argv):

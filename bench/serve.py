@@ -1,5 +1,5 @@
 """`python -m bench serve`: `t5forge serve` under load, against offline `generate` calls
-of the same model in the same run (issue 17, Measure).
+of the same model in the same run.
 
     python -m bench serve                  # flan-t5-small shape, c = 1, 4, 16, 64 (~6 min)
     python -m bench serve --quick          # smoke test: tiny model, few requests (~1 min)
@@ -56,7 +56,7 @@ TARGETS = {"c16_vs_offline_b16_tokens_per_s": 0.8, "c1_p50_vs_offline_b1_latency
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """Sizes of the run. FULL is issue 17's measurement; QUICK a smoke test."""
+  """Sizes of the run. FULL is the full measurement; QUICK a smoke test."""
 
   preset: str = "flan_t5.small"
   input_tokens: int = 128  # including the EOS the server appends
@@ -531,7 +531,7 @@ def adjacent(row: dict, plan: dict) -> dict:
 
 
 def targets(report: dict) -> list[dict]:
-  """Issue 17's two targets, each against the offline calls adjacent to its level (the
+  """The two targets, each against the offline calls adjacent to its level (the
   run-wide offline medians are in the table too), and what streaming costs."""
   out, plan = [], report["plan"]
   plain = {r["concurrency"]: r for r in report["levels"]

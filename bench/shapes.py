@@ -126,7 +126,7 @@ T5GEMMA_SHAPES = {
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """Sizes of every case. `FULL` is issue 7's benchmark; `QUICK` a smoke test."""
+  """Sizes of every case. `FULL` is the full benchmark; `QUICK` a smoke test."""
 
   rounds: int = 3  # timed runs per job, alternated round-robin between workers
   warmup_runs: int = 1  # untimed runs after the first (compiling) one, at least ...

@@ -1,4 +1,4 @@
-"""Tables and issue 7's targets, from the results of bench/train_cases.py and
+"""Tables and the benchmark's targets, from the results of bench/train_cases.py and
 bench/decode_cases.py (plain dicts, the same that go into bench/results/bench.json).
 
 `targets(report)` evaluates every target that the run measured, as ratios within this

@@ -1,4 +1,4 @@
-"""Adafactor factor rules (issue 16, item 4): T5X's `_parse_rule` / `_factored_dims`.
+"""Adafactor factor rules: T5X's `_parse_rule` / `_factored_dims`.
 
 With an explicit logical rule (rank > 2, or a BATCH axis) T5X factors whatever the sizes;
 rank <= 2 without a BATCH axis falls back to the size heuristic (min_dim_size_to_factor).

@@ -1,4 +1,4 @@
-"""Beam search options as T5X has them (issue 16, item 1): max_decode_steps, min_log_prob,
+"""Beam search options as T5X has them: max_decode_steps, min_log_prob,
 an EOS forced inside the prompt, and the predictor / CLI wiring of those options.
 
 The logits come from fixed tables (as T5X's decoding_test.py does), so every expected

@@ -1,4 +1,4 @@
-"""Damaged checkpoints (issue 15, item 4): every checkpoint carries the checksums of its
+"""Damaged checkpoints: every checkpoint carries the checksums of its
 files; a resumed run names a damaged one in one line, keeps it (renamed aside) and
 resumes from the newest intact one; eval / infer / t5forge.load of a damaged checkpoint
 give one line and no traceback."""

@@ -1,4 +1,4 @@
-"""T5's denoising toolkit (issue 16, item 2): noise masks, token functions, denoise, span corruption.
+"""T5's denoising toolkit: noise masks, token functions, denoise, span corruption.
 
 Expected values are those of T5's own tests (t5/data/preprocessors_test.py) where
 they do not depend on TensorFlow's random streams.

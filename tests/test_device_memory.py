@@ -1,5 +1,5 @@
-"""The "would not fit in accelerator memory" line (`t5forge.train.device_memory`, issue 19
-bad input): checked once before the first step, from the compiled step's memory analysis
+"""The "would not fit in accelerator memory" line (`t5forge.train.device_memory`):
+checked once before the first step, from the compiled step's memory analysis
 against the device's allocator limit; the device limit is injected here (CPU has none)."""
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,4 @@
-"""Every shipped example gin trains (issue 16, item 5): each file in
+"""Every shipped example gin trains: each file in
 t5forge/configs/examples/ (globbed: a new example is covered without editing this file)
 runs through the CLI for 2 steps, with its own model and task, made small only in what
 sets a run's cost (batch, lengths, steps); it exits 0, writes checkpoint_2, and reports

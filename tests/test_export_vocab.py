@@ -1,4 +1,4 @@
-"""Every export carries the vocabulary (issue 15, item 5): `convert --to hf` writes the
+"""Every export carries the vocabulary: `convert --to hf` writes the
 tokenizer files transformers' AutoTokenizer loads, tokenizing and detokenizing text as our
 vocabulary does; `convert --to t5forge` and `t5forge.load(...).save/.save_hf` keep it."""
 import gzip

@@ -1,4 +1,4 @@
-"""The fused-attention path for GPUs (`t5forge.nn.fused_attention`, issue 19 item 6).
+"""The fused-attention path for GPUs (`t5forge.nn.fused_attention`).
 
 On CPU: the wrapper, run with jax's XLA implementation of the same function, against
 T5's own `attention.dot_product_attention` (outputs and the q, k, v and bias gradients,

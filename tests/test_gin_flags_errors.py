@@ -1,4 +1,4 @@
-"""Issue 15, items 6 and 7: flags that would change nothing or crash, and gin paths.
+"""Flags that would change nothing or crash, and gin paths.
 
 Each case ends in the right result or one `t5forge: error:` line naming the flag and the
 fix, never a traceback: a command-line macro no gin file uses, an unquoted relative

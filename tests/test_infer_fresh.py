@@ -1,4 +1,4 @@
-"""Issue 15, items 1 and 2: `infer` reuses earlier output only for the same work (inputs,
+"""`infer` reuses earlier output only for the same work (inputs,
 mode, decoding options, lengths, checkpoint), and `eval` skips a step only when a record
 covers what it would evaluate (split, example count, lengths, decoding options)."""
 import json

@@ -1,4 +1,4 @@
-"""GLUE / SuperGLUE metrics (issue 16, item 3): T5's values, keys and scale; scipy and
+"""GLUE / SuperGLUE metrics: T5's values, keys and scale; scipy and
 scikit-learn called directly as the outside reference."""
 import nltk
 import numpy as np

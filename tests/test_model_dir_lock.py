@@ -1,4 +1,4 @@
-"""One training run per MODEL_DIR (issue 15, item 3).
+"""One training run per MODEL_DIR.
 
 Two runs on one MODEL_DIR used to both exit 0 with every step twice in metrics.jsonl and
 checkpoints from one model beside the other's config.gin. A run now holds a lock on

@@ -1,4 +1,4 @@
-"""Issue 16, bad input: a ported `tasks.py` naming a metric or preprocessor t5forge does not
+"""Bad input: a ported `tasks.py` naming a metric or preprocessor t5forge does not
 have gets one line (file:line, the name, the closest names), from `--module` and from a gin
 file's `import tasks`, instead of an AttributeError traceback."""
 import os

@@ -1,4 +1,4 @@
-"""`t5forge serve` refuses bad input the way OpenAI does (issue 17, item 2 and Bad input):
+"""`t5forge serve` refuses bad input the way OpenAI does:
 each bad request is a 4xx whose `{"error": {...}}` names the field, and the next good request
 still succeeds; a full queue is a 503 with Retry-After; start-up errors (missing checkpoint,
 no vocabulary, port in use, buckets that do not fit) are one `t5forge: error:` line. One
@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-import serve_helpers as sh
+from t5forge import testing as sh
 from train_helpers import ROOT, error_line
 
 KEY = "sk-test-key"

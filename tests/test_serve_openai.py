@@ -1,4 +1,4 @@
-"""`t5forge serve` speaks OpenAI's completions API (issue 17, item 2 / Show): the official
+"""`t5forge serve` speaks OpenAI's completions API: the official
 `openai` client, streamed and not, gets the texts `t5forge infer` decodes greedily; 32
 concurrent clients get every output equal to unbatched generation, and /metrics shows
 batches above 1; stop sequences, logprobs, /v1/score, beams and seeded sampling behave as
@@ -12,7 +12,7 @@ import numpy as np
 import openai
 import pytest
 
-import serve_helpers as sh
+from t5forge import testing as sh
 from train_helpers import ROOT, read_jsonl
 
 PROMPTS = ["translate English to Spanish: God is love.", "In the beginning God created",

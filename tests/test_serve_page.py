@@ -1,4 +1,4 @@
-"""The page `t5forge serve` shows at `/` (issue 17, item 3), in a real headless browser:
+"""The page `t5forge serve` shows at `/`, in a real headless browser:
 Debian's chromium driven through chromedriver by selenium (`make test` installs both when
 missing). A prompt typed into the page and run shows the server's own greedy completion, with
 its score and latency, unstreamed and streamed, through the API key field; a bad option or a
@@ -15,7 +15,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
-from serve_helpers import FAST_FLAGS, Server, request, tiny_checkpoint
+from t5forge.testing import FAST_FLAGS, Server, request, tiny_checkpoint
 from train_helpers import ROOT
 
 PAGE = os.path.join(ROOT, "t5forge", "serve", "page.html")

@@ -1,11 +1,11 @@
-"""SIGTERM with requests in flight (issue 17, item 2 / Show): every accepted request
+"""SIGTERM with requests in flight: every accepted request
 completes, new ones are refused, and `t5forge serve` exits 0."""
 import threading
 import time
 
 import pytest
 
-import serve_helpers as sh
+from t5forge import testing as sh
 
 MAX_TOKENS = 128
 REQUESTS = 8

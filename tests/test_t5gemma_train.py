@@ -1,4 +1,4 @@
-"""T5Gemma through `t5forge train` (issue 18): a tiny T5Gemma's loss falls on a bundled task,
+"""T5Gemma through `t5forge train`: a tiny T5Gemma's loss falls on a bundled task,
 a SIGKILLed run resumes bitwise, it trains on 8 CPU devices with 2-D rules like on one,
 fine-tuning starts from an HF T5Gemma directory's exact weights, and a checkpoint of the
 other family gets one line naming the first mismatching parameter and the fix."""

@@ -1,4 +1,4 @@
-"""UL2's mixture of denoisers (issue 18, item 6): concrete arrays per denoiser, lengths,
+"""UL2's mixture of denoisers: concrete arrays per denoiser, lengths,
 the mixture rates, reproducibility by seed and across shard counts, bad configurations."""
 import functools
 import logging

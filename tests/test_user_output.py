@@ -1,4 +1,4 @@
-"""What a user sees (issue 15, item 9): progress lines when there is no terminal, the final
+"""What a user sees: progress lines when there is no terminal, the final
 summary's loss per target token, and where the caches go (XDG_CACHE_HOME, T5FORGE_CACHE=off).
 """
 import functools

@@ -1,5 +1,5 @@
-"""A task whose vocabulary is not the checkpoint's is refused in one line (issue 15,
-item 8): eval, infer --task, fine-tuning from INITIAL_CHECKPOINT_PATH (unless
+"""A task whose vocabulary is not the checkpoint's is refused in one line:
+eval, infer --task, fine-tuning from INITIAL_CHECKPOINT_PATH (unless
 allow_vocabulary_change), resuming a MODEL_DIR, a model gin's VOCABULARY; and
 finetune_from_hf.gin fine-tunes with the checkpoint's own vocabulary."""
 import base64
