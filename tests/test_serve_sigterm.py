@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from t5forge import testing as sh
+import serve_helpers as sh
 
 MAX_TOKENS = 128
 REQUESTS = 8
