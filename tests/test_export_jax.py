@@ -1,4 +1,4 @@
-"""`t5forge export` (issue 17, item 4): the jax.export artifact runs in a fresh process that
+"""`t5forge export`: the jax.export artifact runs in a fresh process that
 imports no t5forge network, model or training code and gives the live model's tokens; a
 changed file is refused in one line; --format hf loads in transformers; bad flags are one
 line each."""

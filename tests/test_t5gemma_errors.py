@@ -1,6 +1,6 @@
 """T5Gemma: bad input is one clear line, and instruction-tuned stop tokens.
 
-Bad input (issue 18): an HF T5Gemma directory whose nested encoder/decoder configs
+Bad input: an HF T5Gemma directory whose nested encoder/decoder configs
 disagree with its weights, a tokenizer that is missing or of the wrong size, a sliding
 window larger than the position limit, num_heads not a multiple of num_kv_heads — each
 one `UserError` line naming the file and field and the fix, through `t5forge.load`,
