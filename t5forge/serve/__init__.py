@@ -1,11 +1,12 @@
-"""Serving: `t5forge serve` (an OpenAI-compatible HTTP server with dynamic batching) and
-`t5forge export` (a model that runs without t5forge's networks).
+"""Serving: `t5forge serve`, an OpenAI-compatible HTTP server with dynamic batching.
 
-    app.py       FastAPI routes, auth, limits, streaming (docs/serving.md)
-    api.py       request bodies, their checks, OpenAI's error objects
-    batcher.py   the queue and the worker thread that batches requests into model calls
-    metrics.py   Prometheus metrics
+    app.py          `create_app`: wires a `Service` to the routes, errors, auth and metrics
+    routes.py       the routes (an APIRouter): health, metrics, models, page, score, completions
+    completions.py  a completion request -> decode plan -> batched rows -> JSON or SSE stream
+    service.py      `Service` (what the routes share) and the request steps they share
+    api.py          request bodies, their checks, OpenAI's error objects
+    batcher.py      the queue and the worker thread that batches requests into model calls
+    metrics.py      Prometheus metrics
 
-This file imports nothing: the exported-model loader lives in this package and must not
-pull in t5forge.nn, t5forge.models or t5forge.train.
+An exported model (`t5forge export --format jax`) is served through `t5forge.export.loader`.
 """

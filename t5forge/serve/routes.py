@@ -1,0 +1,108 @@
+"""The routes of `t5forge serve`, on one `APIRouter` (`router`); each reads the `Service`
+from `request.app.state.service` (set by `app.create_app`).
+
+    POST /v1/completions   OpenAI's legacy completions (+ top_k, num_beams, alpha)
+    POST /v1/score         {prompt, targets} -> summed log-likelihoods (T5X's score mode)
+    GET  /v1/models        the one served model
+    GET  /health           503 until the buckets are compiled (and while draining), then 200
+    GET  /metrics          Prometheus text format
+    GET  /                 the page to try the model (page.html beside this file)
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+
+import fastapi
+from fastapi import responses
+
+from t5forge.serve import api, batcher as batching, completions as completions_lib
+from t5forge.serve.service import Service, error_response, resolver
+
+PAGE = os.path.join(os.path.dirname(__file__), "page.html")
+ROUTES = ("/v1/completions", "/v1/score", "/v1/models", "/health", "/metrics", "/")
+
+router = fastapi.APIRouter()
+
+
+def service_of(request: fastapi.Request) -> Service:
+  """The `Service` the application serves."""
+  return request.app.state.service
+
+
+@router.get("/health")
+async def health(request: fastapi.Request):
+  s = service_of(request)
+  if s.draining:
+    return error_response(503, "draining: finishing the requests in flight",
+                          type_="server_error", code="shutting_down",
+                          headers={"Retry-After": "5"})
+  if s.batcher.failed is not None:
+    return error_response(503, f"warm-up failed: {s.batcher.failed}", type_="server_error",
+                          code="failed")
+  if not s.batcher.ready.is_set():
+    return error_response(503, "compiling the buckets; not ready yet", type_="server_error",
+                          code="loading", headers={"Retry-After": "2"})
+  return {"status": "ok", "model": s.model_name, "compiled_shapes": s.batcher.compiled_shapes,
+          "queue_depth": s.batcher.queue_depth()}
+
+
+@router.get("/metrics")
+async def metrics(request: fastapi.Request):
+  body, content_type = service_of(request).metrics.render()
+  return responses.Response(body, media_type=content_type)
+
+
+@router.get("/v1/models")
+async def models(request: fastapi.Request):
+  s = service_of(request)
+  return {"object": "list", "data": [{"id": s.model_name, "object": "model",
+                                      "created": s.created, "owned_by": "t5forge"}]}
+
+
+@router.get("/")
+async def page():
+  if not os.path.isfile(PAGE):
+    raise api.ApiError(404, "this installation has no page (t5forge/serve/page.html)",
+                       param="path", code="not_found")
+  return responses.FileResponse(PAGE, media_type="text/html")
+
+
+@router.post("/v1/score")
+async def score(request: fastapi.Request):
+  """Each (prompt, target) pair's summed log-likelihood, one batcher row per pair."""
+  s = service_of(request)
+  req = api.parse(api.ScoreRequest, await s.read_body(request),
+                  request.headers.get("content-type"))
+  s.check_model(req.model)
+  if not s.can_score:
+    raise api.ApiError(400, "scoring is not available from an exported model; serve the "
+                       "checkpoint for /v1/score", param="targets", code="unsupported")
+  prompts, targets = api.check_score(req, s.limits)
+  loop = asyncio.get_running_loop()
+  rows, futs, n_tokens = [], [], 0
+  longest_target = s.batcher.buckets.decode[-1]
+  for i, (p, t) in enumerate(zip(prompts, targets)):
+    ids = s.encode(p, "prompt" if isinstance(req.prompt, str) else f"prompt[{i}]")
+    tids = s.vocabulary.encode(t) + [s.eos_id]
+    if len(tids) > longest_target:
+      raise api.ApiError(400, f"target {i} is {len(tids)} tokens, over the limit of "
+                         f"{longest_target} (--decode_buckets)", param=f"targets[{i}]",
+                         code="target_too_long")
+    fut = loop.create_future()
+    rows.append(batching.Row(group=batching.SCORE, ids=ids, target_ids=tids,
+                             done=resolver(loop, fut)))
+    futs.append(fut)
+    n_tokens += len(ids) + len(tids)
+  s.submit(rows)
+  s.metrics.prompt_tokens.inc(n_tokens)
+  results = await asyncio.gather(*futs)
+  return {"object": "list", "model": s.model_name,
+          "data": [{"object": "score", "index": i, "log_likelihood": r.score}
+                   for i, r in enumerate(results)],
+          "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}
+
+
+@router.post("/v1/completions")
+async def completions(request: fastapi.Request):
+  return await completions_lib.complete(service_of(request), request)

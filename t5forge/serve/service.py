@@ -1,0 +1,107 @@
+"""What the routes of `t5forge serve` share: the `Service` (model, batcher, limits, metrics)
+and the steps every request goes through (read the body, check the model name, tokenize,
+queue the rows, await their results).
+
+A request's rows are queued to the `Batcher`, whose worker thread calls `resolver`'s
+callback with each row's result; the callback hands it to the request's asyncio future on
+the event loop.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import fastapi
+from fastapi import responses
+
+from t5forge.serve import api, batcher as batching
+from t5forge.serve.metrics import Metrics
+
+
+def error_response(status: int, message: str, **kw) -> responses.JSONResponse:
+  """OpenAI's error body `{"error": {...}}` with `status`; kw as `api.ApiError`'s."""
+  e = api.ApiError(status, message, **kw)
+  return responses.JSONResponse(e.body(), status_code=status, headers=e.headers)
+
+
+@dataclasses.dataclass
+class Service:
+  """What the routes need. `kind_cls` is `generation.Kind` (or the exported backend's,
+  with `check_kind` refusing what an export cannot run and `can_score` False)."""
+  batcher: batching.Batcher
+  vocabulary: Any
+  kind_cls: Any
+  model_name: str
+  limits: api.Limits
+  metrics: Metrics
+  is_encoder_decoder: bool = True
+  eos_id: int = 1
+  stop_ids: Any = None  # several ids that end a row (ModelConfig.eos_token_ids), or None
+  api_key: str | None = None
+  check_kind: Any = None      # callable(kind) raising ValueError: what the backend cannot run
+  can_score: bool = True
+  draining: bool = False
+  created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+  async def read_body(self, request: fastapi.Request) -> bytes:
+    """The body, refused (413) as soon as it is over `limits.max_body_bytes`."""
+    limit = self.limits.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+      raise api.ApiError(413, f"request body of {declared} bytes is over the limit of "
+                         f"{limit}", param="body", code="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+      size += len(chunk)
+      if size > limit:
+        raise api.ApiError(413, f"request body is over the limit of {limit} bytes",
+                           param="body", code="body_too_large")
+      chunks.append(chunk)
+    return b"".join(chunks)
+
+  def check_model(self, name: str | None) -> None:
+    """A 404 when the request names another model (no name: this one)."""
+    if name is not None and name != self.model_name:
+      raise api.ApiError(404, f"model {name!r} is not served here; this server serves "
+                         f"{self.model_name!r} (GET /v1/models)", param="model",
+                         code="model_not_found")
+
+  def encode(self, text: str, param: str) -> list[int]:
+    """`text` as the model takes it: pieces + EOS (encoder-decoder) or BOS 0 + pieces
+    (decoder-only); a 400 naming `param` when it is over the prompt limit."""
+    ids = self.vocabulary.encode(text)
+    ids = ids + [self.eos_id] if self.is_encoder_decoder else [0] + ids
+    longest = min(self.limits.max_prompt_tokens, self.batcher.buckets.length[-1])
+    if len(ids) > longest:
+      raise api.ApiError(400, f"{param} is {len(ids)} tokens, over the limit of {longest} "
+                         "(--max_prompt_tokens / --length_buckets)", param=param,
+                         code="prompt_too_long")
+    return ids
+
+  def submit(self, rows: list[batching.Row]) -> None:
+    """Queues `rows` together; a full queue or a closing server is a 503 + Retry-After."""
+    try:
+      self.batcher.submit(rows)
+    except batching.QueueFull:
+      raise api.ApiError(503, f"the queue is full ({self.batcher.max_queue} rows wait); "
+                         "retry later", type_="server_error", code="queue_full",
+                         headers={"Retry-After": "1"}) from None
+    except batching.Closed:
+      raise api.ApiError(503, "the server is shutting down", type_="server_error",
+                         code="shutting_down", headers={"Retry-After": "5"}) from None
+
+
+def resolver(loop, fut):
+  """A row's `done` callback (called on the batcher's thread) that settles `fut` with the
+  result or the exception on `loop`, unless the request already went away."""
+  def done(result):
+    def put():
+      if fut.done():
+        return
+      if isinstance(result, BaseException):
+        fut.set_exception(result)
+      else:
+        fut.set_result(result)
+    loop.call_soon_threadsafe(put)
+  return done
