@@ -4,7 +4,7 @@
     m = t5forge.load("path/to/hf-or-t5x-or-t5forge-checkpoint")
     logits = m.logits(encoder_input_tokens, decoder_input_tokens)
 
-The names below are imported on first use (PEP 562), so that `import t5forge.serve.exported`
+The names below are imported on first use (PEP 562), so that `import t5forge.export.loader`
 (the loader of an exported model) does not pull in the networks, models or trainer.
 """
 import importlib

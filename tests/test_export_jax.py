@@ -2,11 +2,14 @@
 imports no t5forge network, model or training code and gives the live model's tokens; a
 changed file is refused in one line; --format hf loads in transformers; bad flags are one
 line each."""
+import ast
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tomllib
 
 import numpy as np
 import pytest
@@ -14,7 +17,7 @@ import pytest
 import t5forge
 from t5forge.data import bundled_tasks
 from t5forge.data.vocab import SentencePieceVocabulary
-from t5forge.serve import exported
+from t5forge.export import loader as exported
 from train_helpers import ROOT, error_line
 
 SPM = os.path.join(os.path.dirname(bundled_tasks.__file__), "bundled", "bible_en_es_8k.model")
@@ -51,7 +54,7 @@ if how == "copy":
   sys.path.insert(0, out)
   import load_exported as le
 else:
-  from t5forge.serve import exported as le
+  from t5forge.export import loader as le
 m = le.ExportedModel(out)
 texts = json.loads(sys.argv[4])
 res = {"texts": m.generate(texts, max_new_tokens=%d),
@@ -109,6 +112,57 @@ def test_artifact_files_and_manifest(enc_dec):
   weights = os.path.getsize(os.path.join(out, "params.safetensors"))
   assert all(os.path.getsize(os.path.join(out, f["file"])) < weights / 10
              for f in manifest["functions"])
+
+
+# Import name -> the distribution pip installs it from, for what the loader imports.
+_DISTRIBUTIONS = {"jax": "jax", "numpy": "numpy", "safetensors": "safetensors",
+                  "sentencepiece": "sentencepiece"}
+# Needed at run time though the loader never names them: jaxlib is jax's compiled half (jax
+# only bounds its version, so it is pinned beside jax); flatbuffers is imported by
+# jax.export's serialization when a .jaxexp file is deserialized, and jax declares it as
+# no requirement of its own, so a venv with only jax, numpy, safetensors and sentencepiece
+# fails with "Please install 'flatbuffers' in order to use Exported serialization".
+_ALSO_NEEDED = {"jaxlib", "flatbuffers"}
+
+
+def _third_party_imports(path: str) -> set[str]:
+  """Top-level names of every `import` in the file, at any depth (imports inside functions
+  too), less the standard library and __future__."""
+  names = set()
+  with open(path, encoding="utf-8") as f:
+    tree = ast.parse(f.read())
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      names |= {a.name.split(".")[0] for a in node.names}
+    elif isinstance(node, ast.ImportFrom) and node.level == 0:
+      names.add(node.module.split(".")[0])
+  return {n for n in names if n != "__future__" and n not in sys.stdlib_module_names}
+
+
+def _distribution(requirement: str) -> str:
+  return re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9._-]+", requirement).group()).lower()
+
+
+def test_artifact_requirements_cover_the_loader_at_pinned_versions(enc_dec):
+  """requirements.txt lists every third-party package the loader imports (and what jax.export
+  needs besides), each pinned as pyproject.toml pins it, and nothing else."""
+  _, _, out = enc_dec
+  imported = _third_party_imports(exported.__file__)
+  assert "t5forge" not in imported, "the artifact's loader must not import t5forge"
+  unmapped = imported - set(_DISTRIBUTIONS)
+  assert not unmapped, f"the loader imports {unmapped}: add them to _DISTRIBUTIONS"
+  needed = {_DISTRIBUTIONS[n] for n in imported} | _ALSO_NEEDED
+  with open(os.path.join(out, "requirements.txt"), encoding="utf-8") as f:
+    listed = {_distribution(line): line.strip() for line in f
+              if line.strip() and not line.startswith("#")}
+  assert set(listed) == needed, (sorted(listed), sorted(needed))
+  with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+    pins = {_distribution(r): r for r in tomllib.load(f)["project"]["dependencies"]}
+  for name, line in listed.items():
+    assert name in pins, f"{name} is not pinned in pyproject.toml's dependencies"
+    assert line == pins[name], (line, pins[name])
+  with open(os.path.join(out, "manifest.json"), encoding="utf-8") as f:
+    assert "requirements.txt" in json.load(f)["sha256"]
 
 
 @pytest.mark.parametrize("how", ["copy", "package"])
@@ -196,7 +250,7 @@ def test_changed_file_is_refused_in_one_line(enc_dec, tmp_path):
 def test_other_platform_and_bad_ids_are_one_line(enc_dec, tmp_path):
   """A function lowered for another backend (jax.export lowers for TPU on a CPU machine)
   and ids outside the vocabulary: ExportError, not XLA's error or silently clamped ids."""
-  from t5forge.serve import export  # pylint: disable=import-outside-toplevel
+  from t5forge.export import writer as export  # pylint: disable=import-outside-toplevel
   _, model, _ = enc_dec
   out = str(tmp_path / "tpu")
   export.export_jax(model.model, model.params, model.vocabulary, out,
@@ -213,7 +267,7 @@ def test_failed_export_leaves_nothing(enc_dec, tmp_path, monkeypatch):
   """Weights and vocabulary are written before the functions; a failure while exporting
   one leaves neither the output nor its temporary sibling."""
   import jax  # pylint: disable=import-outside-toplevel
-  from t5forge.serve import export  # pylint: disable=import-outside-toplevel
+  from t5forge.export import writer as export  # pylint: disable=import-outside-toplevel
   _, model, _ = enc_dec
   out = str(tmp_path / "half")
 

@@ -2,10 +2,11 @@
 
 --format jax serializes the whole generate function (encoder + compiled decode loop) with
 `jax.export` for each (batch size, input length, decode length), beside the weights
-(safetensors), the vocabulary, a manifest and a standalone loader (`load_exported.py`);
-`t5forge/serve/export.py` describes the directory. Run it with
+(safetensors), the vocabulary, a manifest, a standalone loader (`load_exported.py`) and the
+`requirements.txt` it needs; `t5forge/export/writer.py` describes the directory. Run it with
 
-    cd DIR && python -c "import load_exported as le; print(le.ExportedModel('.').generate(['...']))"
+    cd DIR && pip install -r requirements.txt     # where t5forge is not installed
+    python -c "import load_exported as le; print(le.ExportedModel('.').generate(['...']))"
 
 or serve it: `t5forge serve --checkpoint DIR`.
 
@@ -79,7 +80,7 @@ def main(argv: list[str]) -> int:
     raise UserError(f"--dtype {args.dtype!r}: choose float32 or bfloat16")
 
   from t5forge.opener import open_checkpoint  # pylint: disable=import-outside-toplevel
-  from t5forge.serve import export  # pylint: disable=import-outside-toplevel
+  from t5forge.export import writer as export  # pylint: disable=import-outside-toplevel
   for m in methods:
     if m not in export.METHODS:
       raise UserError(f"--methods: unknown method {m!r}; choose from {', '.join(export.METHODS)}")

@@ -181,13 +181,14 @@ def main(argv: list[str]) -> int:
           file=sys.stderr, flush=True)
   sock = _bind(args.host, args.port)
 
-  from t5forge.serve import exported  # pylint: disable=import-outside-toplevel
+  from t5forge.export import loader as exported  # pylint: disable=import-outside-toplevel
   if exported.is_exported_dir(args.checkpoint):
     # Checked again now that the manifest's shapes are known.
     with open(os.path.join(args.checkpoint, "manifest.json"), encoding="utf-8") as f:
       buckets, limits = _buckets(args, json.load(f))
   import jax  # pylint: disable=import-outside-toplevel
   from t5forge.serve import app as app_lib, batcher  # pylint: disable=import-outside-toplevel
+  from t5forge.serve.service import Service  # pylint: disable=import-outside-toplevel
   from t5forge.serve.metrics import Metrics  # pylint: disable=import-outside-toplevel
   t0 = time.monotonic()
   gen, vocab, kind_cls, check_kind = _open(args, buckets, exported)
@@ -200,12 +201,10 @@ def main(argv: list[str]) -> int:
                           max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
                           metrics=metrics, warmup_kinds=kinds,
                           warmup_score="score" in warm and check_kind is None)
-  service = app_lib.Service(batcher=batch, vocabulary=vocab, kind_cls=kind_cls,
-                            model_name=name, limits=limits, metrics=metrics,
-                            is_encoder_decoder=gen.is_encoder_decoder, eos_id=gen.eos_id,
-                            stop_ids=getattr(gen, "stop_ids", None),
-                            api_key=args.api_key, check_kind=check_kind,
-                            can_score=check_kind is None)
+  service = Service(batcher=batch, vocabulary=vocab, kind_cls=kind_cls, model_name=name,
+                    limits=limits, metrics=metrics, is_encoder_decoder=gen.is_encoder_decoder,
+                    eos_id=gen.eos_id, stop_ids=getattr(gen, "stop_ids", None),
+                    api_key=args.api_key, check_kind=check_kind, can_score=check_kind is None)
   return _run(app_lib.create_app(service), service, sock, args.host, t0,
               f"{len(jax.devices())} {jax.devices()[0].platform} device(s)")
 

@@ -1,10 +1,12 @@
 """Runs a directory written by `t5forge export --format jax`, without t5forge's networks.
 
-This file imports only jax, numpy, safetensors, sentencepiece and the standard library;
-the exporter copies it into every artifact as `load_exported.py`, so an artifact runs
-where t5forge is not installed:
+This file imports only jax, numpy, safetensors, sentencepiece and the standard library
+(and jax.export deserializes with flatbuffers); the exporter copies it into every artifact
+as `load_exported.py` beside a `requirements.txt` pinning those packages, so an artifact
+runs where t5forge is not installed:
 
-    import load_exported                               # or: from t5forge.serve import exported
+    pip install -r requirements.txt                    # in the artifact directory
+    import load_exported                               # or: from t5forge.export import loader
     m = load_exported.ExportedModel("exported/")       # checks every file's sha256
     m.generate(["translate English to German: Hello"], max_new_tokens=32)   # -> [str]
     m.generate(np.array([[37, 8, 1]]), max_new_tokens=32)                  # -> tokens [b, l]

@@ -9,8 +9,11 @@ The artifact directory holds:
 - `params.safetensors`: the parameters, named by their tree path joined with '/';
 - `spiece.model`: the SentencePiece vocabulary with T5's sentinels appended, as
   `t5forge.data.vocab.SentencePieceVocabulary` loads it (so ids and text agree exactly);
-- `load_exported.py`: a copy of `t5forge/serve/exported.py`, the loader, which imports
+- `load_exported.py`: a copy of `t5forge/export/loader.py`, the loader, which imports
   only jax, numpy, safetensors, sentencepiece and the standard library;
+- `requirements.txt`: the packages the loader needs (`pip install -r requirements.txt`),
+  pinned as t5forge pins them: jax, jaxlib, numpy, safetensors, sentencepiece, and
+  flatbuffers, which jax.export imports to deserialize but jax does not install;
 - `manifest.json`: format version, model summary, eos / pad ids, the functions with their
   shapes, argument and output specs and files, the parameter names / shapes / dtypes, the
   jax version, and the sha256 of every other file.
@@ -33,18 +36,18 @@ it exists complete or not at all.
 from __future__ import annotations
 
 import dataclasses
-import json
+import importlib.metadata
 import os
-import shutil
+import re
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5forge import decoding
+from t5forge import decoding, files
 from t5forge.errors import UserError
-from t5forge.serve import exported as loader
+from t5forge.export import loader
 
 FORMAT = "t5forge-jax-export"
 FORMAT_VERSION = 1
@@ -52,7 +55,12 @@ METHODS = ("greedy", "sample")
 PARAMS_FILE = "params.safetensors"
 VOCAB_FILE = "spiece.model"
 LOADER_FILE = "load_exported.py"
+REQUIREMENTS_FILE = "requirements.txt"
 MANIFEST_FILE = "manifest.json"
+# The distributions the loader imports at run time. jaxlib: jax's compiled half, pinned
+# with it; flatbuffers: jax.export's serialization imports it, but jax leaves it optional.
+LOADER_DISTRIBUTIONS = ("jax", "jaxlib", "numpy", "safetensors", "sentencepiece",
+                        "flatbuffers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +135,33 @@ def _arg_specs(method: str, shape: Shape) -> list[dict]:
   return specs
 
 
+def _distribution(requirement: str) -> str:
+  """'jax==0.10.2' -> 'jax'; 'prometheus_client>=1' -> 'prometheus-client' (PEP 503)."""
+  return re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9._-]+", requirement).group()).lower()
+
+
+def loader_requirements() -> list[str]:
+  """The lines of an artifact's requirements.txt: each of `LOADER_DISTRIBUTIONS` as this
+  t5forge's metadata pins it (pyproject.toml's dependencies), else at the version
+  installed here (t5forge run from a source tree without being installed)."""
+  try:
+    declared = importlib.metadata.requires("t5forge") or []
+  except importlib.metadata.PackageNotFoundError:
+    declared = []
+  # Requirements with a marker belong to extras (tests, bench), not to running t5forge.
+  pins = {_distribution(r): r.strip() for r in declared if ";" not in r}
+  lines = []
+  for name in LOADER_DISTRIBUTIONS:
+    if name in pins:
+      lines.append(pins[name])
+      continue
+    try:
+      lines.append(f"{name}=={importlib.metadata.version(name)}")
+    except importlib.metadata.PackageNotFoundError:
+      lines.append(name)
+  return lines
+
+
 def _write_vocabulary(vocab, out_dir: str) -> dict | None:
   """Writes the SentencePiece model as the vocabulary loads it (sentinels appended)."""
   from t5forge.data.vocab import SentencePieceVocabulary  # pylint: disable=import-outside-toplevel
@@ -135,8 +170,7 @@ def _write_vocabulary(vocab, out_dir: str) -> dict | None:
   if not isinstance(vocab, SentencePieceVocabulary):
     raise UserError(f"cannot export vocabulary {type(vocab).__name__}: the exported loader "
                     "reads SentencePiece models only")
-  with open(os.path.join(out_dir, VOCAB_FILE), "wb") as f:
-    f.write(vocab.processor.serialized_model_proto())
+  files.write_bytes(os.path.join(out_dir, VOCAB_FILE), vocab.processor.serialized_model_proto())
   return {"type": "sentencepiece", "file": VOCAB_FILE, "extra_ids": vocab.extra_ids,
           "vocab_size": vocab.vocab_size, "eos_id": vocab.eos_id, "unk_id": vocab.unk_id,
           "pad_id": vocab.pad_id}
@@ -192,16 +226,17 @@ def export_jax(model, params: dict, vocab, out_dir: str, *, shapes: list[Shape],
   config = model.config
   check_shapes(shapes, config, vocab)
   out_dir = check_output(out_dir)
-  tmp = out_dir + ".tmp-t5forge"
-  shutil.rmtree(tmp, ignore_errors=True)
-  os.makedirs(os.path.join(tmp, "functions"))
-  try:
+  # Written into a temporary sibling renamed into place: complete or absent.
+  with files.staged_dir(out_dir) as tmp:
+    os.makedirs(os.path.join(tmp, "functions"))
     flat = flatten_params(jax.device_get(params))
     from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
     save_file(flat, os.path.join(tmp, PARAMS_FILE), metadata={"format": FORMAT})
     vocab_entry = _write_vocabulary(vocab, tmp)
-    shutil.copy(os.path.join(os.path.dirname(os.path.abspath(__file__)), "exported.py"),
-                os.path.join(tmp, LOADER_FILE))
+    with open(loader.__file__, "rb") as f:
+      files.write_bytes(os.path.join(tmp, LOADER_FILE), f.read())
+    files.write_text(os.path.join(tmp, REQUIREMENTS_FILE),
+                     "".join(line + "\n" for line in loader_requirements()))
     param_avals = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in flat.items()}
     functions = []
     for method in methods:
@@ -213,8 +248,7 @@ def export_jax(model, params: dict, vocab, out_dir: str, *, shapes: list[Shape],
         exported = jax.export.export(fn, platforms=platforms)(param_avals, *avals)
         name = (f"functions/{method}_b{shape.batch}_i{shape.input_length}"
                 f"_l{shape.decode_length}.jaxexp")
-        with open(os.path.join(tmp, name), "wb") as f:
-          f.write(exported.serialize())
+        files.write_bytes(os.path.join(tmp, name), exported.serialize())
         functions.append({
             "method": method, **dataclasses.asdict(shape), "file": name, "args": specs,
             "outputs": [{"name": "tokens", "shape": [shape.batch, shape.decode_length],
@@ -244,22 +278,16 @@ def export_jax(model, params: dict, vocab, out_dir: str, *, shapes: list[Shape],
                                 for k, v in flat.items()}},
         "functions": functions,
         "loader": LOADER_FILE,
+        "requirements": REQUIREMENTS_FILE,
     }
-    names = [PARAMS_FILE, LOADER_FILE] + ([VOCAB_FILE] if vocab_entry else []) + [
-        f["file"] for f in functions]
+    names = [PARAMS_FILE, LOADER_FILE, REQUIREMENTS_FILE] + (
+        [VOCAB_FILE] if vocab_entry else []) + [f["file"] for f in functions]
     # The loader's own digest, so writer and reader cannot disagree on it.
     manifest["sha256"] = {n: loader.sha256_file(os.path.join(tmp, n)) for n in names}
-    with open(os.path.join(tmp, MANIFEST_FILE), "w", encoding="utf-8") as f:
-      json.dump(manifest, f, indent=2)
+    files.write_json(os.path.join(tmp, MANIFEST_FILE), manifest)
     # safetensors writes its file private (0600); an artifact is for others to deploy.
     umask = os.umask(0)
     os.umask(umask)
     for n in names + [MANIFEST_FILE]:
       os.chmod(os.path.join(tmp, n), 0o666 & ~umask)
-    if os.path.isdir(out_dir):
-      os.rmdir(out_dir)
-    os.rename(tmp, out_dir)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
   return manifest
