@@ -27,28 +27,40 @@ _MODE = 0o644
 
 
 @contextlib.contextmanager
-def atomic_file(path: str, binary: bool = False, fsync: bool = False) -> Iterator[IO]:
-  """Yields a file object open for writing; on success it becomes `path` in one rename.
+def atomic_path(path: str) -> Iterator[str]:
+  """Yields a temporary path beside `path`; on success it is renamed to `path`.
 
-  On an exception the temporary file is removed and `path` is left as it was. The directory
-  of `path` is created if missing. `fsync=True` flushes the bytes to disk before the rename
-  (for files whose loss after a power cut would be worse than a stale copy).
+  For libraries that write by file name (ArrayRecord, pyarrow, numpy). On an exception the
+  temporary file is removed and `path` is left as it was. The directory of `path` is created
+  if missing; an unwritable directory raises OSError before anything is written.
   """
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.tmp-")
+  os.close(fd)
   try:
-    with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
-      yield f
-      if fsync:
-        f.flush()
-        os.fsync(f.fileno())
+    yield tmp
     os.chmod(tmp, _MODE)
     os.replace(tmp, path)
   except BaseException:
     with contextlib.suppress(OSError):
       os.unlink(tmp)
     raise
+
+
+@contextlib.contextmanager
+def atomic_file(path: str, binary: bool = False, fsync: bool = False) -> Iterator[IO]:
+  """Yields a file object open for writing; on success it becomes `path` in one rename.
+
+  As `atomic_path`. `fsync=True` flushes the bytes to disk before the rename (for files whose
+  loss after a power cut would be worse than a stale copy).
+  """
+  with atomic_path(path) as tmp:
+    with open(tmp, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
+      yield f
+      if fsync:
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def write_bytes(path: str, data: bytes, fsync: bool = False) -> None:

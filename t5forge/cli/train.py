@@ -36,8 +36,8 @@ def main(argv: list[str]) -> int:
   from t5forge.train import loop  # pylint: disable=import-outside-toplevel
   result = gin_flags.call(loop.train, operative_config=gin.config_str(),
                           show_progress=sys.stderr.isatty() or bool(os.environ.get("T5FORGE_PROGRESS")))
-  import jax  # pylint: disable=import-outside-toplevel
-  if jax.process_index() != 0:  # process 0 reports for the whole job
+  from t5forge import multihost  # pylint: disable=import-outside-toplevel
+  if not multihost.is_chief():  # process 0 reports for the whole job
     return 0
   model_dir = gin.query_parameter("MODEL_DIR/macro.value") if _has_macro("MODEL_DIR") else None
   print(f"training stopped at step {result.step} ({result.stopped})")
@@ -55,8 +55,8 @@ def main(argv: list[str]) -> int:
 def show_precision(choice: precision.Choice) -> None:
   """Prints the run's precision line (and its note, if the choice is slow here) on the
   process that reports for the job; `t5forge demo` prints it the same way."""
-  import jax  # pylint: disable=import-outside-toplevel
-  if jax.process_index() == 0:
+  from t5forge import multihost  # pylint: disable=import-outside-toplevel
+  if multihost.is_chief():
     print(choice.line, flush=True)
     if choice.note:
       print(choice.note, file=sys.stderr, flush=True)

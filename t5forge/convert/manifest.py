@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 
+from t5forge import files as t5files
 from t5forge.errors import UserError
 
 MANIFEST = "t5forge_manifest.json"
@@ -66,13 +67,13 @@ def _digest(path: str, hash_name: str = HASH) -> str:
 
 def _files(directory: str) -> list[str]:
   # Orbax writes these two after the manifest (commit time, commit marker): not hashed.
-  unlisted = {ORBAX_METADATA, _orbax_paths().COMMIT_SUCCESS_FILE, MANIFEST, MANIFEST + ".tmp"}
+  unlisted = {ORBAX_METADATA, _orbax_paths().COMMIT_SUCCESS_FILE, MANIFEST}
   out = []
   for root, dirs, names in os.walk(directory):
     dirs.sort()
     for name in sorted(names):
       rel = os.path.relpath(os.path.join(root, name), directory).replace(os.sep, "/")
-      if rel not in unlisted:
+      if rel not in unlisted and not rel.startswith(f".{MANIFEST}.tmp-"):  # a write cut short
         out.append(rel)
   return out
 
@@ -83,12 +84,9 @@ def write(directory: str) -> None:
   for rel in _files(directory):
     path = os.path.join(directory, rel)
     files[rel] = {"size": os.path.getsize(path), HASH: _digest(path)}
-  tmp = os.path.join(directory, MANIFEST + ".tmp")
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump({"format": 1, "hash": HASH, "files": files}, f, indent=1, sort_keys=True)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, os.path.join(directory, MANIFEST))
+  t5files.write_json(os.path.join(directory, MANIFEST),
+                     {"format": 1, "hash": HASH, "files": files}, indent=1, sort_keys=True,
+                     fsync=True)
 
 
 def write_staged(final_dir: str) -> None:

@@ -83,20 +83,18 @@ def decode_example(data: bytes) -> dict:
 def write_records(path: str, examples: Iterable[Mapping[str, Any]]) -> int:
   """Writes the examples to an ArrayRecord file atomically; returns the count."""
   from array_record.python.array_record_module import ArrayRecordWriter
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  tmp = f"{path}.tmp{os.getpid()}"
-  writer = ArrayRecordWriter(tmp, "group_size:1")  # group size 1: cheap random access
-  count = 0
-  try:
-    for ex in examples:
-      writer.write(encode_example(ex))
-      count += 1
-  finally:
-    writer.close()
-  if count == 0:
-    os.unlink(tmp)
-    raise UserError(f"no examples left after preprocessing (while caching {path})")
-  os.replace(tmp, path)  # concurrent writers produce the same bytes; the last rename wins
+  # Concurrent writers produce the same bytes; the last rename wins.
+  with files.cache_path(path) as tmp:
+    writer = ArrayRecordWriter(tmp, "group_size:1")  # group size 1: cheap random access
+    count = 0
+    try:
+      for ex in examples:
+        writer.write(encode_example(ex))
+        count += 1
+    finally:
+      writer.close()
+    if count == 0:
+      raise UserError(f"no examples left after preprocessing (while caching {path})")
   files.atomic_write_bytes(path + ".json", json.dumps({"examples": count}).encode())
   return count
 

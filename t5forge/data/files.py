@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import atexit
 import bisect
+import contextlib
+import errno
 import glob
 import gzip
 import hashlib
@@ -31,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from t5forge import files as t5files
 from t5forge.errors import UserError
 
 _CHUNK = 16 << 20  # bytes read per step while indexing: bounds the memory used
@@ -82,35 +85,26 @@ def _remove_temporary_root(path: str, owner: int) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _publish(tmp: str, path: str) -> None:
-  # mkstemp makes 0600 files; cache files may be shared by a team, so make them
-  # readable like any other file before the atomic rename.
-  os.chmod(tmp, 0o644)
-  os.replace(tmp, path)
-
-
-def make_temp(path: str) -> tuple[int, str]:
-  """A temp file beside `path` (created with its directory); UserError if not writable."""
+@contextlib.contextmanager
+def cache_path(path: str) -> Iterator[str]:
+  """`t5forge.files.atomic_path` for a cache file: a temporary path renamed to `path` on
+  success; an unwritable cache directory is a UserError naming T5FORGE_CACHE."""
   directory = os.path.dirname(path) or "."
   try:
     os.makedirs(directory, exist_ok=True)
-    return tempfile.mkstemp(dir=directory, prefix=".tmp-")
+    if not os.access(directory, os.W_OK):
+      raise PermissionError(errno.EACCES, "Permission denied")
   except OSError as e:
     raise UserError(f"cannot write in {directory} ({e.strerror}); cache files go under "
                     f"{cache_root()}: set T5FORGE_CACHE to a writable directory") from None
+  with t5files.atomic_path(path) as tmp:
+    yield tmp
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:
-  """Writes `data` to `path` through a temp file and a rename (no torn files)."""
-  fd, tmp = make_temp(path)
-  try:
-    with os.fdopen(fd, "wb") as f:
-      f.write(data)
-    _publish(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
-    raise
+  """Writes `data` to the cache file `path` through a temp file and a rename (no torn files)."""
+  with cache_path(path) as tmp, open(tmp, "wb") as f:
+    f.write(data)
 
 
 def expand_patterns(patterns: str | Sequence[str]) -> list[str]:
@@ -186,9 +180,8 @@ def plain_copy(path: str, compression: str | None = None) -> str:
   name = name[:-3] if name.endswith(".gz") else name + ".plain"
   out = os.path.join(cache_root(), "lines", f"{_key(path)}-{name}")
   if not os.path.exists(out):
-    fd, tmp = make_temp(out)
     try:
-      with os.fdopen(fd, "wb") as dst:
+      with cache_path(out) as tmp, open(tmp, "wb") as dst:
         if compression == "GZIP":
           with gzip.open(path, "rb") as src:
             while block := src.read(_CHUNK):
@@ -201,10 +194,7 @@ def plain_copy(path: str, compression: str | None = None) -> str:
           dst.write(inflate.flush())
           if not inflate.eof:
             raise EOFError("the zlib stream ends early")
-      _publish(tmp, out)
     except (OSError, EOFError, zlib.error) as e:
-      if os.path.exists(tmp):
-        os.unlink(tmp)
       raise UserError(f"{path}: cannot decompress as {compression} ({e}); is it a complete "
                       f"{compression.lower()} file?") from None
   return out
@@ -249,11 +239,8 @@ def load_index(path: str, plain: str, suffix: str,
   index = build(plain, path)
   for cand in candidates:
     try:
-      os.makedirs(os.path.dirname(cand), exist_ok=True)
-      fd, tmp = tempfile.mkstemp(dir=os.path.dirname(cand), prefix=".tmp-", suffix=".npy")
-      with os.fdopen(fd, "wb") as f:
+      with t5files.atomic_file(cand, binary=True) as f:
         np.save(f, index)
-      _publish(tmp, cand)
       break
     except OSError:
       continue  # read-only directory: fall back to the cache dir

@@ -32,6 +32,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from t5forge import files
 from t5forge.data import converters as conv
 from t5forge.data import tasks as tasks_lib
 from t5forge.errors import UserError
@@ -137,7 +138,9 @@ class DataIterator:
 
   def get_state(self) -> dict[str, Any]:
     """The position after the last returned batch (JSON-serialisable)."""
-    return {"version": 1, "pipeline": self._description, "grain": _jsonable(self._iter.get_state())}
+    # latin-1 maps each byte to one character and back, so raw bytes in grain's state survive.
+    return {"version": 1, "pipeline": self._description,
+            "grain": files.jsonable(self._iter.get_state(), bytes_encoding="latin-1")}
 
   def set_state(self, state: Mapping[str, Any], *, allow_changed_data: bool = False) -> None:
     """Continues from `state` (from `get_state`, possibly of another process).
@@ -191,19 +194,6 @@ class DataIterator:
 
   def __del__(self):
     self.close()
-
-
-def _jsonable(x: Any) -> Any:
-  """Grain states may hold numpy scalars; JSON wants plain Python values."""
-  if isinstance(x, Mapping):
-    return {str(k): _jsonable(v) for k, v in x.items()}
-  if isinstance(x, (list, tuple)):
-    return [_jsonable(v) for v in x]
-  if isinstance(x, np.generic):
-    return x.item()
-  if isinstance(x, bytes):
-    return x.decode("latin-1")
-  return x
 
 
 def get_batches(mixture_or_task_name: str, task_feature_lengths: Mapping[str, int],

@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from t5forge.data import sources
-from t5forge.data.files import cache_root, expand_patterns, make_temp, stamp
+from t5forge.data.files import cache_path, cache_root, expand_patterns, stamp
 from t5forge.errors import UserError
 
 # Part of the cache key of converted files: change it when the conversion changes.
@@ -341,16 +341,8 @@ def _converted(path: str, options: str, write: Callable[[str], None]) -> str:
   out = _table_cache_path(path, options)
   if os.path.exists(out):
     return out
-  fd, tmp = make_temp(out)
-  os.close(fd)
-  try:
+  with cache_path(out) as tmp:
     write(tmp)
-    os.chmod(tmp, 0o644)  # mkstemp makes 0600 files; a team may share the cache dir
-    os.replace(tmp, out)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
-    raise
   return out
 
 

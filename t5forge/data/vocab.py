@@ -31,6 +31,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from t5forge import files as t5files
 from t5forge.errors import UserError
 
 PAD_ID = 0
@@ -533,9 +534,5 @@ def train_sentencepiece(sentences: Sequence[str], *, vocab_size: int, extra_ids:
                       "lower --vocab_size or add text") from None
     raise UserError(f"SentencePiece training failed: {msg}") from None
   path = output_prefix + ".model"
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  tmp = f"{path}.tmp{os.getpid()}"
-  with open(tmp, "wb") as f:
-    f.write(buf.getvalue())
-  os.replace(tmp, path)  # readers never see a half-written model
+  t5files.write_bytes(path, buf.getvalue())  # readers never see a half-written model
   return path

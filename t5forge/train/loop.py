@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from t5forge import files, multihost
 from t5forge.errors import UserError
 from t5forge.models import BaseModel
 from t5forge.sharding import Partitioner
@@ -62,13 +63,6 @@ def _prepare_model_dir(model_dir: str | None) -> str:
     raise UserError(f"MODEL_DIR {model_dir} is not writable ({e.strerror}); choose a directory "
                     "you can write to") from None
   return model_dir
-
-
-def _write_atomic(path: str, text: str) -> None:
-  tmp = path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    f.write(text)
-  os.replace(tmp, path)
 
 
 class _Preemption:
@@ -136,7 +130,7 @@ def train(*, model: BaseModel, model_dir: str, train_dataset_cfg: DatasetConfig,
   model_dir = _prepare_model_dir(model_dir)
   # Before anything is written into MODEL_DIR: one run per MODEL_DIR (one lock per job).
   lock = run_lock.lock_for_job(model_dir, command="t5forge train",
-                               log=print if jax.process_index() == 0 else lambda *_: None)
+                               log=print if multihost.is_chief() else lambda *_: None)
   run = None
   try:
     run = _Run(model_dir=model_dir, model=model, seed=seed,
@@ -227,7 +221,7 @@ class _Run:
                total_steps: int):
     self.model_dir, self.model, self.seed = model_dir, model, seed
     self.partitioner, self.total_steps = partitioner, total_steps
-    self.is_chief = jax.process_index() == 0
+    self.is_chief = multihost.is_chief()
     self.log = print if self.is_chief else (lambda *a, **k: None)
     self.train_iter = self.checkpointer = self.fingerprints = None
     self.writer = metrics_lib.MetricWriter(model_dir, enabled=self.is_chief)
@@ -357,7 +351,7 @@ class _Run:
     if not self.is_chief:
       return
     if operative_config:
-      _write_atomic(os.path.join(self.model_dir, "config.gin"), operative_config)
+      files.write_text(os.path.join(self.model_dir, "config.gin"), operative_config)
     model_info.write(self.model_dir, model_info.render(
         self.abstract_params, self.param_axes, self.shardings.params, self.abstract_opt,
         self.opt_axes, self.shardings.opt_state, self.partitioner.mesh.shape))

@@ -7,6 +7,7 @@ import os
 import jax
 import numpy as np
 
+from t5forge import files
 from t5forge.sharding import is_axes
 
 
@@ -40,8 +41,4 @@ def render(param_shapes, param_axes, param_shardings, opt_shapes, opt_axes, opt_
 
 
 def write(model_dir: str, text: str) -> None:
-  path = os.path.join(model_dir, "model-info.txt")
-  tmp = path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    f.write(text)
-  os.replace(tmp, path)
+  files.write_text(os.path.join(model_dir, "model-info.txt"), text)

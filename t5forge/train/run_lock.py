@@ -185,7 +185,7 @@ def lock_for_job(directory: str, *, command: str = "t5forge train",
   import jax  # pylint: disable=import-outside-toplevel
   from t5forge import multihost  # pylint: disable=import-outside-toplevel
   lock, error = None, None
-  if jax.process_index() == 0:
+  if multihost.is_chief():
     lock = RunLock(directory, command=command)
     try:
       note = lock.acquire()
