@@ -379,7 +379,7 @@ def get_eval_dataset(task_name: str, task_feature_lengths: Mapping[str, int], ba
   if not isinstance(item, tasks_lib.Task):
     raise UserError(f"{task_name!r} is a mixture; evaluate its tasks with get_eval_datasets")
   converter = feature_converter or conv.get_converter(model_kind, pack=False, bos_id=bos_id)
-  tasks_lib._check_sharding(shard_index, num_shards, 0)
+  tasks_lib.check_sharding(shard_index, num_shards, 0)
   return EvalDataset(item, split, task_feature_lengths, batch_size, converter, shard_index,
                      num_shards, use_cached)
 

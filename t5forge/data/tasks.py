@@ -293,7 +293,7 @@ class Task:
     if shard_info is not None:
       shard_index, num_shards = shard_info.index, shard_info.num_shards
     _check_lengths(self, sequence_length)
-    _check_sharding(shard_index, num_shards, seed)
+    check_sharding(shard_index, num_shards, seed)
     if num_epochs is not None and num_epochs < 1:
       raise UserError(f"num_epochs must be >= 1 or None (forever), got {num_epochs}")
     cached = self.uses_seqio_cache(use_cached)
@@ -318,7 +318,8 @@ def _check_lengths(task: Task, sequence_length) -> None:
                       f"no length for it; add {k!r}: N (or {k!r}: None to keep it untrimmed)")
 
 
-def _check_sharding(shard_index: int, num_shards: int, seed: int) -> None:
+def check_sharding(shard_index: int, num_shards: int, seed: int) -> None:
+  """UserError unless 0 <= shard_index < num_shards and seed is a non-negative integer."""
   if num_shards < 1 or not 0 <= shard_index < num_shards:
     raise UserError(f"shard_index must be in [0, num_shards); got shard_index={shard_index}, "
                     f"num_shards={num_shards}")
@@ -474,7 +475,7 @@ class Mixture:
     seed = 0 if seed is None else seed
     if shard_info is not None:
       shard_index, num_shards = shard_info.index, shard_info.num_shards
-    _check_sharding(shard_index, num_shards, seed)
+    check_sharding(shard_index, num_shards, seed)
     pairs = [(t, r) for t, r in self.tasks_and_rates if r > 0]
     if not pairs:
       raise UserError(f"mixture {self.name!r}: every rate is 0")
