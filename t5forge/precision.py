@@ -1,6 +1,7 @@
 """The compute dtype a training run gets when it does not choose one.
 
-`t5forge train` and `t5forge demo` call `apply_auto()` after parsing the gin files: a
+`t5forge train` calls `cli.gin_flags.apply_precision()` after parsing the gin files
+(`t5forge demo` calls `for_machine`): a
 run that binds no `ModelConfig.dtype` (the model gins leave it unset) gets 'bfloat16'
 mixed precision where the hardware multiplies bf16 natively -- bf16 matmul operands with
 float32 accumulation; parameters, optimizer state, residual stream, norms and softmax
@@ -103,36 +104,15 @@ def choose(requested: str | None, *, platform: str, flags: frozenset[str],
   return Choice(None, False, "precision: as the run's ModelConfig.dtype binding says")
 
 
-def apply_auto(platform: str | None = None, flags: frozenset[str] | None = None) -> Choice:
-  """Chooses the run's dtype from the parsed (finalized) gin config and this machine, and
-  binds it where the run set none (so that config.gin records it). Prints nothing."""
-  import gin  # pylint: disable=import-outside-toplevel
-  from gin import config as gin_config  # pylint: disable=import-outside-toplevel
-  platform, flags = _machine(platform, flags)
-  selectors, requested = [], None
-  for (scope, selector), values in gin_config._CONFIG.items():  # pylint: disable=protected-access
-    if selector.rsplit(".", 1)[-1] != "ModelConfig":
-      continue
-    selectors.append(selector)
-    if "dtype" in values:
-      value = values["dtype"]
-      if requested is None or not scope:  # an unscoped binding is the one models get
-        requested = value if isinstance(value, str) else "?"
-  choice = choose(requested, platform=platform, flags=flags, configurable=bool(selectors))
-  if choice.auto:
-    with gin.unlock_config():
-      gin.bind_parameter(f"{selectors[0]}.dtype", choice.dtype)
-  return choice
-
-
-def for_machine(requested: str | None = None, *, flag: str = GIN_FLAG,
+def formachine(requested: str | None = None, *, flag: str = GIN_FLAG,
                 platform: str | None = None, flags: frozenset[str] | None = None) -> Choice:
   """`choose` on this machine, for a command whose dtype is a flag (`t5forge demo --dtype`)."""
-  platform, flags = _machine(platform, flags)
+  platform, flags = machine(platform, flags)
   return choose(requested, platform=platform, flags=flags, flag=flag)
 
 
-def _machine(platform: str | None, flags: frozenset[str] | None) -> tuple[str, frozenset[str]]:
+def machine(platform: str | None = None,
+            flags: frozenset[str] | None = None) -> tuple[str, frozenset[str]]:
   """JAX's backend and the CPU flags; in a multi-process job, process 0's flags, so that
   every process compiles the same program even on mixed hosts."""
   import jax  # pylint: disable=import-outside-toplevel

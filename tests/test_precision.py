@@ -71,7 +71,7 @@ def _dtype_bindings():
                                         (NO_BF16, "float32")])
 def test_unset_dtype_is_bound_to_the_choice(tmp_path, flags, want):
   _parse(tmp_path, AUTO_GIN)
-  c = precision.apply_auto(platform="cpu", flags=flags)
+  c = gin_flags.apply_precision(platform="cpu", flags=flags)
   assert (c.dtype, c.auto) == (want, True)
   import gin  # pylint: disable=import-outside-toplevel
   assert gin.query_parameter("network.ModelConfig.dtype") == want
@@ -84,7 +84,7 @@ def test_a_dtype_the_run_sets_is_kept(tmp_path, where):
     _parse(tmp_path, TINY_GIN)  # binds dtype = 'float32'
   else:
     _parse(tmp_path, AUTO_GIN, "network.ModelConfig.dtype='float32'")
-  c = precision.apply_auto(platform="cpu", flags=frozenset({"avx512_bf16"}))
+  c = gin_flags.apply_precision(platform="cpu", flags=frozenset({"avx512_bf16"}))
   assert (c.dtype, c.auto, c.line) == ("float32", False, "precision: float32 (as the run asks)")
   import gin  # pylint: disable=import-outside-toplevel
   assert gin.query_parameter("network.ModelConfig.dtype") == "float32"
@@ -92,7 +92,7 @@ def test_a_dtype_the_run_sets_is_kept(tmp_path, where):
 
 def test_bf16_asked_on_a_cpu_without_it_runs_with_a_note(tmp_path):
   _parse(tmp_path, AUTO_GIN, "network.ModelConfig.dtype='bfloat16'")
-  c = precision.apply_auto(platform="cpu", flags=NO_BF16)
+  c = gin_flags.apply_precision(platform="cpu", flags=NO_BF16)
   assert (c.dtype, c.auto) == ("bfloat16", False)
   assert "no bf16 instructions" in c.note and '--gin.network.ModelConfig.dtype=\\"float32\\"' in c.note
 
@@ -126,4 +126,4 @@ def test_train_prints_the_choice_records_it_and_reports_held_out_loss(tmp_path, 
   assert "network.ModelConfig.dtype = 'bfloat16'" in config.splitlines()
   # A resume reads the same gin files: the same machine makes the same choice.
   _parse(tmp_path, AUTO_GIN)
-  assert precision.apply_auto(platform="cpu", flags=frozenset({"avx512_bf16"})).dtype == "bfloat16"
+  assert gin_flags.apply_precision(platform="cpu", flags=frozenset({"avx512_bf16"})).dtype == "bfloat16"

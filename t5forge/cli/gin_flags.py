@@ -22,6 +22,11 @@ import sys
 import tokenize
 from typing import Any, Callable, Sequence
 
+import gin
+from gin import config as gin_config
+
+from t5forge import precision
+from t5forge.cli import gin_internals
 from t5forge.errors import UserError
 
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -66,15 +71,13 @@ def split_flags(argv: Sequence[str]) -> tuple[list[str], list[str], list[str], l
 
 def parse(files: Sequence[str], bindings: Sequence[str], search_paths: Sequence[str] = ()) -> None:
   """Parses gin files and bindings, translating gin's errors into UserErrors."""
-  import gin  # pylint: disable=import-outside-toplevel
-  from gin import config as gin_config  # pylint: disable=import-outside-toplevel
   gin.clear_config()
-  _guard_package_reader(gin_config)
+  _guard_package_reader()
   # gin keeps search paths across clear_config(): start from its default ('' = as given)
   # so that an earlier parse's --gin_search_paths cannot shadow this one's files.
-  gin_config._LOCATION_PREFIXES[:] = [""]  # pylint: disable=protected-access
+  gin_internals.reset_search_paths()
   for path in [os.getcwd(), CONFIGS_DIR, PACKAGE_PARENT, *search_paths]:
-    if path not in gin_config._LOCATION_PREFIXES:  # pylint: disable=protected-access
+    if path not in gin_internals.search_paths():
       gin.add_config_file_search_path(path)
   for path in search_paths:  # T5X: "the Gin file and python modules" come from these
     path = os.path.abspath(path)
@@ -89,7 +92,7 @@ def parse(files: Sequence[str], bindings: Sequence[str], search_paths: Sequence[
   logging.getLogger().addFilter(quiet)
   try:
     gin.parse_config_files_and_bindings(list(files), list(bindings), finalize_config=False)
-    _check_macros_used(gin_config, bindings)
+    _check_macros_used(bindings)
     gin.finalize()
   except tokenize.TokenError as e:  # gin's tokenizer does not say which file
     line = e.args[1][0] if len(e.args) > 1 else "?"
@@ -122,10 +125,10 @@ def _check_binding_value(binding: str) -> None:
 _MACRO_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-def _check_macros_used(gin_config: Any, bindings: Sequence[str]) -> None:
+def _check_macros_used(bindings: Sequence[str]) -> None:
   """Refuses a command-line macro (NAME=VALUE) that no binding refers to as %NAME: gin
   accepts it and changes nothing (--gin.TRAIN_STEPZ=10)."""
-  defined = {key[0] for key in gin_config._CONFIG if key[1] == "gin.macro"}  # pylint: disable=protected-access
+  defined = {scope for scope, selector, _ in gin_internals.bindings() if selector == "gin.macro"}
   referenced: set[str] = set()
 
   def walk(value: Any) -> None:
@@ -139,7 +142,7 @@ def _check_macros_used(gin_config: Any, bindings: Sequence[str]) -> None:
       for v in value:
         walk(v)
 
-  for params in gin_config._CONFIG.values():  # pylint: disable=protected-access
+  for _, _, params in gin_internals.bindings():
     walk(params)
   for b in bindings:
     name = b.partition("=")[0].strip()
@@ -152,13 +155,13 @@ def _check_macros_used(gin_config: Any, bindings: Sequence[str]) -> None:
                       f"nothing{hint}")
 
 
-def _guard_package_reader(gin_config: Any) -> None:
+def _guard_package_reader() -> None:
   """gin's package reader (gin/resource_reader.py) reads `a/b/x.gin` as file x.gin of the
   Python package `a.b`; for a folder without `__init__.py` that Python still imports as a
   namespace package (a user's `runs/`, or `t5forge/configs/examples`) it raises TypeError
   instead of answering "not there", and the search stops. Answer "not there" instead, so
   the next search path is tried."""
-  readers = gin_config._FILE_READERS  # pylint: disable=protected-access
+  readers = gin_internals.file_readers()
   for i, (reader, exists) in enumerate(readers):
     if getattr(exists, "_t5forge_guarded", False):
       continue
@@ -169,7 +172,7 @@ def _guard_package_reader(gin_config: Any) -> None:
       except TypeError:  # a namespace package has no origin
         return False
 
-    guarded._t5forge_guarded = True  # pylint: disable=protected-access
+    guarded._t5forge_guarded = True
     readers[i] = (reader, guarded)
 
 
@@ -235,7 +238,6 @@ def _where(msg: str) -> str:
 def call(fn: Callable, **kwargs):
   """Calls the gin-configured version of `fn`, turning missing-argument errors into one
   line that names the gin binding to add."""
-  import gin  # pylint: disable=import-outside-toplevel
   configured = gin.get_configurable(fn)
   try:
     return configured(**kwargs)
@@ -246,3 +248,26 @@ def call(fn: Callable, **kwargs):
       raise UserError(f"{fn.__name__} needs {', '.join(names)}; bind them in a gin file or with "
                       f"--gin.{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__}.{names[0]}=...") from None
     raise
+
+
+def apply_precision(platform: str | None = None,
+                    flags: frozenset[str] | None = None) -> precision.Choice:
+  """Chooses the run's dtype from the parsed (finalized) gin config and this machine
+  (`precision.choose`), and binds it where the run set none, so that config.gin records it.
+  Prints nothing."""
+  platform, flags = precision.machine(platform, flags)
+  selectors, requested = [], None
+  for scope, selector, values in gin_internals.bindings():
+    if selector.rsplit(".", 1)[-1] != "ModelConfig":
+      continue
+    selectors.append(selector)
+    if "dtype" in values:
+      value = values["dtype"]
+      if requested is None or not scope:  # an unscoped binding is the one models get
+        requested = value if isinstance(value, str) else "?"
+  choice = precision.choose(requested, platform=platform, flags=flags,
+                            configurable=bool(selectors))
+  if choice.auto:
+    with gin.unlock_config():
+      gin.bind_parameter(f"{selectors[0]}.dtype", choice.dtype)
+  return choice

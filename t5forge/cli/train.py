@@ -31,7 +31,7 @@ def main(argv: list[str]) -> int:
   # What this host runs with (every process of a multi-process job says its own).
   print(host_memory.describe(), flush=True)
   gin_flags.parse(files, bindings, paths)
-  show_precision(precision.apply_auto())
+  show_precision(gin_flags.apply_precision())
   import gin  # pylint: disable=import-outside-toplevel
   from t5forge.train import loop  # pylint: disable=import-outside-toplevel
   result = gin_flags.call(loop.train, operative_config=gin.config_str(),
