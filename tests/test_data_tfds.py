@@ -115,6 +115,7 @@ def test_a_version_directory_read_directly():
   other = seqio.TfdsDataSource(splits={"train": seqio.TfdsSplit(NAME, "train[:5]",
                                                                 _data_dir("tfrecord"))})
   assert len(other.get("train")) == 5
+  assert other.label_names == {"length": ["short", "medium", "long"]}
 
 
 # --------------------------------------------------------------------------------- bad input

@@ -512,8 +512,9 @@ class TfdsDataSource(sources.DataSource):
 
   @property
   def label_names(self) -> dict[str, list[str]]:
-    """ClassLabel feature -> its names (from `<feature>.labels.txt`)."""
-    return dict(self._resolve(self.tfds_name, self.tfds_data_dir).label_names)
+    """ClassLabel feature -> its names (from `<feature>.labels.txt`), of the dataset the
+    first split reads (splits given as TfdsSplit may name no source-wide dataset)."""
+    return dict(self._target(self.splits[0])[0].label_names)
 
   def __getstate__(self):
     state = super().__getstate__()
