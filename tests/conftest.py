@@ -22,3 +22,20 @@ def hf_dirs(tmp_path_factory):
     return cache[name]
 
   return get
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+  """A fresh T5FORGE_CACHE for one test; the path."""
+  monkeypatch.setenv("T5FORGE_CACHE", str(tmp_path / "cache"))
+  return tmp_path / "cache"
+
+
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory):
+  """One T5FORGE_CACHE for a whole test file (and the session's other users of it), for
+  files whose tests reuse what an earlier test cached; the path."""
+  path = tmp_path_factory.getbasetemp() / "t5forge_cache"
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setenv("T5FORGE_CACHE", str(path))
+    yield path

@@ -10,15 +10,7 @@ from t5forge.data import pycorpus
 DOCS = "python_docstring_summarize"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def cache(tmp_path_factory):
-  old = os.environ.get("T5FORGE_CACHE")
-  os.environ["T5FORGE_CACHE"] = str(tmp_path_factory.getbasetemp() / "t5forge_cache")
-  yield
-  if old is None:
-    os.environ.pop("T5FORGE_CACHE", None)
-  else:
-    os.environ["T5FORGE_CACHE"] = old
+pytestmark = pytest.mark.usefixtures("shared_cache")
 
 
 def test_docstring_task_examples_and_fixed_split():

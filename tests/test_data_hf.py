@@ -37,10 +37,7 @@ def expected():
     return json.load(f)["hf"]
 
 
-@pytest.fixture(autouse=True)
-def cache(tmp_path, monkeypatch):
-  monkeypatch.setenv("T5FORGE_CACHE", str(tmp_path / "cache"))
-  return tmp_path / "cache"
+pytestmark = pytest.mark.usefixtures("cache")
 
 
 @pytest.fixture

@@ -19,15 +19,7 @@ BIBLE = "bible_translate_en_es"
 BIBLE_LENGTHS = {"inputs": 64, "targets": 64}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def cache(tmp_path_factory):
-  old = os.environ.get("T5FORGE_CACHE")
-  os.environ["T5FORGE_CACHE"] = str(tmp_path_factory.getbasetemp() / "t5forge_cache")
-  yield
-  if old is None:
-    os.environ.pop("T5FORGE_CACHE", None)
-  else:
-    os.environ["T5FORGE_CACHE"] = old
+pytestmark = pytest.mark.usefixtures("shared_cache")
 
 
 def _id_task(name, n):

@@ -43,8 +43,7 @@ def register(name="bible_cached", vocab=VOCAB, placeholder=True, required=False)
 
 
 @pytest.fixture(autouse=True)
-def isolated(tmp_path, monkeypatch):
-  monkeypatch.setenv("T5FORGE_CACHE", str(tmp_path / "cache"))
+def isolated(cache, monkeypatch):
   seqio.set_global_cache_dirs([])
   yield
   seqio.set_global_cache_dirs([])

@@ -103,8 +103,7 @@ def to_cache_inputs(ex):
 
 
 @pytest.fixture(autouse=True)
-def isolated(tmp_path, monkeypatch):
-  monkeypatch.setenv("T5FORGE_CACHE", str(tmp_path / "cache"))
+def isolated(cache, monkeypatch):
   monkeypatch.setenv("HF_HUB_CACHE", os.path.join(FORMATS, "hf_hub_cache"))
   monkeypatch.setenv("HF_HUB_OFFLINE", "1")
   seqio.set_global_cache_dirs([os.path.join(FORMATS, "seqio", "seqio_cache")])

@@ -11,10 +11,7 @@ from t5forge.data import files, sources
 from t5forge.errors import UserError
 
 
-@pytest.fixture(autouse=True)
-def cache(tmp_path, monkeypatch):
-  monkeypatch.setenv("T5FORGE_CACHE", str(tmp_path / "cache"))
-  return tmp_path / "cache"
+pytestmark = pytest.mark.usefixtures("cache")
 
 
 def _one_line(e: pytest.ExceptionInfo) -> str:

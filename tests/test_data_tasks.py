@@ -1,7 +1,6 @@
 """Task/Mixture registries and get_dataset: splits, shuffling, sharding, caching, errors."""
 import collections
 import functools
-import os
 
 import numpy as np
 import pytest
@@ -16,15 +15,7 @@ VOCAB = PassThroughVocabulary(1000)
 FEATURES = {"inputs": Feature(VOCAB), "targets": Feature(VOCAB)}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def cache(tmp_path_factory):
-  old = os.environ.get("T5FORGE_CACHE")
-  os.environ["T5FORGE_CACHE"] = str(tmp_path_factory.getbasetemp() / "t5forge_cache")
-  yield
-  if old is None:
-    os.environ.pop("T5FORGE_CACHE", None)
-  else:
-    os.environ["T5FORGE_CACHE"] = old
+pytestmark = pytest.mark.usefixtures("shared_cache")
 
 
 def _examples(n, offset=0):

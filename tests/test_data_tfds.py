@@ -20,8 +20,7 @@ NAME = "bible_verses/en_es:1.0.0"
 
 
 @pytest.fixture(autouse=True)
-def isolated(tmp_path, monkeypatch):
-  monkeypatch.setenv("T5FORGE_CACHE", str(tmp_path / "cache"))
+def isolated(tmp_path, cache, monkeypatch):
   monkeypatch.delenv("TFDS_DATA_DIR", raising=False)
   monkeypatch.setenv("HOME", str(tmp_path / "home"))
   seqio.set_tfds_data_dir_override(None)

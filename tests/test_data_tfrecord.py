@@ -25,10 +25,7 @@ DESCRIPTION = {"inputs": seqio.FixedLenFeature([], "string"),
                "tags": seqio.VarLenFeature("int64")}
 
 
-@pytest.fixture(autouse=True)
-def cache(tmp_path, monkeypatch):
-  monkeypatch.setenv("T5FORGE_CACHE", str(tmp_path / "cache"))
-  return tmp_path / "cache"
+pytestmark = pytest.mark.usefixtures("cache")
 
 
 def _all(src):
