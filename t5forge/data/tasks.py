@@ -129,6 +129,22 @@ class Task:
   def __repr__(self):
     return f"Task({self.name!r}, splits={list(self.splits)})"
 
+  def register_copy(self, name: str, **changes: Any) -> str:
+    """Registers (once) a copy of this task as `name`, with the attributes in `changes`
+    (e.g. `output_features`, `preprocessors`) replaced; returns `name`.
+
+    The copy keeps a Task subclass and its attributes, and caches nothing of this task's:
+    its offline stage and SeqIO cache are looked up under its own name.
+    """
+    if name not in TaskRegistry.names():
+      new = copy.copy(self)
+      new.name = name
+      for key, value in changes.items():
+        setattr(new, key, value)
+      new._offline, new._seqio_cached, new._lock = {}, {}, threading.Lock()
+      TaskRegistry._add(name, new)
+    return name
+
   @property
   def splits(self) -> tuple[str, ...]:
     return self.source.splits
@@ -708,13 +724,5 @@ def with_vocabulary(mixture_or_task_name: str, vocabulary: Vocabulary | None) ->
 
 def _task_copy(task: Task, vocabulary: Vocabulary, suffix: str) -> str:
   """Registers (once) `task` with `vocabulary` in every output feature as name+suffix."""
-  name = task.name + suffix
-  if name not in TaskRegistry._items:
-    new = copy.copy(task)  # keeps a Task subclass and its attributes
-    new.name = name
-    new.output_features = {k: dataclasses.replace(f, vocabulary=vocabulary)
-                           for k, f in task.output_features.items()}
-    # Nothing tokenized with the other vocabulary; a SeqIO cache is the task's own.
-    new._offline, new._seqio_cached, new._lock = {}, {}, threading.Lock()
-    TaskRegistry._add(name, new)
-  return name
+  return task.register_copy(task.name + suffix, output_features={
+      k: dataclasses.replace(f, vocabulary=vocabulary) for k, f in task.output_features.items()})

@@ -58,13 +58,11 @@ settings (configs/examples/ul2_pretrain.gin):
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import hashlib
 import logging
 import math
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -387,17 +385,13 @@ def ul2_task(like: str, denoisers: Sequence[Any] | None = None,
     return like
   name = f"{like}.ul2_{hashlib.md5(repr(new).encode()).hexdigest()[:8]}"
   if name not in tasks_lib.TaskRegistry.names():
-    copied = copy.copy(task)
-    copied.name = name
     preprocessors = list(task.preprocessors)
     base_kwargs = {k: v for k, v in own.items() if k not in given}
     # The checked settings; the copy's offline stage is cached under its own name.
     preprocessors[steps[0]] = functools.partial(
         ul2_objective, **base_kwargs, denoisers=list(new[0]), rates=list(new[1]),
         mode_tokens=dict(new[2]))
-    copied.preprocessors = tuple(preprocessors)
-    copied._offline, copied._lock = {}, threading.Lock()
-    tasks_lib.TaskRegistry._add(name, copied)
+    task.register_copy(name, preprocessors=tuple(preprocessors))
   return name
 
 
