@@ -340,7 +340,7 @@ def evaluate(*, dataset_cfg, restore_checkpoint_cfg, model=None, output_dir: str
     {step: {"inference_eval/<task>/<metric>": value, ".../num_examples": n}} for the
     checkpoints evaluated now.
   """
-  from t5forge.convert import native  # pylint: disable=import-outside-toplevel
+  from t5forge.convert import native, of_checkpoint  # pylint: disable=import-outside-toplevel
   from t5forge import data, opener  # pylint: disable=import-outside-toplevel
   from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
   path, mode = restore_checkpoint_cfg.path, restore_checkpoint_cfg.mode
@@ -378,7 +378,7 @@ def evaluate(*, dataset_cfg, restore_checkpoint_cfg, model=None, output_dir: str
         print(f"note: {str(e).splitlines()[0]}; skipped")  # a damaged one of many
         continue
       ckpt = opened.checkpoint
-      ckpt_vocab = vocab_io.of_checkpoint(ckpt)
+      ckpt_vocab = of_checkpoint(ckpt)
       if dataset_cfg.module:
         data.import_task_module(dataset_cfg.module, flag="--module / MIXTURE_OR_TASK_MODULE")
       vocab_io.check_task(

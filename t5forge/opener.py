@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from t5forge import models, provenance
-from t5forge.convert import LoadedCheckpoint, load_checkpoint
+from t5forge.convert import LoadedCheckpoint, load_checkpoint, of_checkpoint
 from t5forge.errors import UserError
 from t5forge.sharding import Partitioner
 
@@ -125,7 +125,7 @@ def open_checkpoint(path: str, *, vocabulary=None, model=None, overrides: dict |
   if vocabulary_path:
     vocabulary = vocab_io.from_model_file(vocabulary_path, ckpt.config)
   if vocabulary is None:
-    vocabulary = vocab_io.of_checkpoint(ckpt)
+    vocabulary = of_checkpoint(ckpt)
   if vocabulary is not None and vocabulary.vocab_size > ckpt.config.vocab_size:
     raise UserError(f"{vocabulary_path or vocab_io.describe(vocabulary)}: {vocabulary.vocab_size} "
                     f"ids, more than the {ckpt.config.vocab_size} embedding rows (vocab_size) of "

@@ -116,7 +116,7 @@ def _make_t5gemma2_tiny() -> ModelConfig:
   """A tiny T5Gemma 2 (text) for tests: Gemma 3's settings (5 local : 1 global layers,
   RoPE bases 10,000 / 1,000,000, no soft-caps, all embeddings tied, BOS 2) at width 64,
   a window of 8 and a T5-sized vocabulary. The released sizes (270m-270m, 1b-1b,
-  4b-4b) are read from their HF directories (t5forge.convert.hf_t5gemma2)."""
+  4b-4b) are read from their HF directories (t5forge.convert.hf.t5gemma2)."""
   return ModelConfig(vocab_size=T5_VOCAB, emb_dim=64, num_heads=4, num_kv_heads=2,
                      head_dim=16, mlp_dim=128, num_encoder_layers=6, num_decoder_layers=6,
                      mlp_activations=GATED_GELU, logits_via_embedding=True, scale_logits=False,

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from bench import ours, shapes
-from t5forge.convert import hf_t5gemma
+from t5forge.convert.hf import t5gemma as hf_t5gemma
 
 
 def _config_read_by_t5forge(shape: shapes.T5GemmaShape):

@@ -178,7 +178,7 @@ def test_parameter_counts_equal_transformers_text_model():
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
   from t5forge import presets  # pylint: disable=import-outside-toplevel
-  from t5forge.convert import hf_t5gemma2  # pylint: disable=import-outside-toplevel
+  from t5forge.convert.hf import t5gemma2 as hf_t5gemma2  # pylint: disable=import-outside-toplevel
   tiny = presets.get("t5gemma2.tiny")
   big = tiny.replace(vocab_size=262144, emb_dim=1152, num_heads=4, num_kv_heads=1,
                      head_dim=256, mlp_dim=6912, num_encoder_layers=26, num_decoder_layers=26,
@@ -295,11 +295,12 @@ def test_eos_ids_from_generation_config_round_trip(hf_dir, tmp_path):
 
 def test_vision_weights_are_skipped(hf_dir):
   """The saved directory holds a vision tower and projector; reading keeps the text."""
-  from t5forge.convert import hf, hf_t5gemma2  # pylint: disable=import-outside-toplevel
+  from t5forge.convert import hf  # pylint: disable=import-outside-toplevel
+  from t5forge.convert.hf import t5gemma2 as hf_t5gemma2  # pylint: disable=import-outside-toplevel
   names = hf.load_hf_state(hf_dir)
   vision = [n for n in names if n.startswith(hf_t5gemma2.VISION_PREFIXES)]
   assert vision and "model.encoder.embed_tokens.eoi_embedding" in names
-  _, params = hf_t5gemma2.load_hf(hf_dir)
+  _, params = hf.load_hf(hf_dir)
   assert t5forge.nn.count_params(params) == sum(
       v.size for n, v in names.items() if n not in vision)
 

@@ -136,7 +136,7 @@ def test_export_loads_in_transformers_with_the_same_logits(variant, models, tmp_
 def test_sharded_safetensors_read_and_written(gemma_dirs, tmp_path):
   """transformers' sharded save reads as the single file does; ours writes shards with an
   index that transformers and we read back."""
-  from t5forge.convert import hf_t5gemma  # pylint: disable=import-outside-toplevel
+  from t5forge.convert import hf  # pylint: disable=import-outside-toplevel
   single = t5forge.convert.load_checkpoint(gemma_dirs("gqa"))
   sharded_dir = build_hf_dir("gqa", str(tmp_path / "sharded"), max_shard_size="100KB")
   assert os.path.isfile(os.path.join(sharded_dir, "model.safetensors.index.json"))
@@ -144,7 +144,7 @@ def test_sharded_safetensors_read_and_written(gemma_dirs, tmp_path):
   for a, b in zip(jax.tree.leaves(single.params), jax.tree.leaves(sharded.params)):
     np.testing.assert_array_equal(a, b)
   out = str(tmp_path / "ours_sharded")
-  hf_t5gemma.save_hf(single.params, single.config, out, max_shard_bytes=100_000)
+  hf.save_hf(single.params, single.config, out, max_shard_bytes=100_000)
   names = sorted(os.listdir(out))
   shards = [n for n in names if n.startswith("model-") and n.endswith(".safetensors")]
   assert len(shards) > 2 and "model.safetensors.index.json" in names, names

@@ -20,7 +20,7 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--to", required=True, choices=["t5forge", "hf"], help="output format")
   args = parser.parse_args(argv)
 
-  from t5forge.convert import hf, load_checkpoint, native, relayout  # pylint: disable=import-outside-toplevel
+  from t5forge.convert import hf, load_checkpoint, native, of_checkpoint, relayout  # pylint: disable=import-outside-toplevel
   from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
   from t5forge.nn import count_params  # pylint: disable=import-outside-toplevel
   ckpt = load_checkpoint(args.input)
@@ -31,7 +31,7 @@ def main(argv: list[str]) -> int:
     n = len(jax.tree.leaves(ckpt.extras["param_states"]))
     print(f"note: not converted: T5X optimizer state ({n} arrays) and step {ckpt.step}; "
           "the parameters are complete")
-  vocab = vocab_io.of_checkpoint(ckpt)
+  vocab = of_checkpoint(ckpt)
   if args.to == "hf":
     if ckpt.config.scan_layers:
       ckpt.params = relayout(ckpt.params, scanned=True, to_scanned=False)

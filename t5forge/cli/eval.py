@@ -74,10 +74,10 @@ def main(argv: list[str]) -> int:
   task = args.task
   if args.use_checkpoint_vocabulary:
     from t5forge import data  # pylint: disable=import-outside-toplevel
-    from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
+    from t5forge import convert  # pylint: disable=import-outside-toplevel
     if args.module:
       data.import_task_module(args.module)
-    task = data.with_vocabulary(task, vocab_io.from_checkpoint(args.checkpoint))
+    task = data.with_vocabulary(task, convert.from_checkpoint(args.checkpoint))
   from t5forge.convert import native  # pylint: disable=import-outside-toplevel
   from t5forge.train.settings import DatasetConfig, RestoreCheckpointConfig  # pylint: disable=import-outside-toplevel
   mode = args.mode or ("latest" if native.checkpoint_steps(args.checkpoint) else "specific")

@@ -5,10 +5,13 @@
 - a t5forge checkpoint directory (`params/` + `config/`), or a MODEL_DIR holding
   `checkpoint_<step>/` directories (the latest complete one is read);
 - a Hugging Face directory (`config.json` + `model.safetensors` / `pytorch_model.bin` /
-  sharded index) of T5 (`hf.py`) or T5Gemma (`model_type` 't5gemma': `hf_t5gemma.py`);
+  sharded index) of a family in `hf.FAMILIES` (T5, T5Gemma, T5Gemma 2: `hf/`);
 - a T5X checkpoint (`checkpoint_<step>/` with a msgpack `checkpoint` file, or the file);
 - a Hugging Face Hub name such as `google/flan-t5-base`, downloaded when the machine is
   online (set HF_HUB_OFFLINE=1 to forbid it).
+
+`from_checkpoint(path)` and `of_checkpoint(loaded)` give the vocabulary a checkpoint
+stores, in any of these formats.
 """
 from __future__ import annotations
 
@@ -16,8 +19,12 @@ import dataclasses
 import os
 
 from t5forge.convert import hf, native, t5x
+from t5forge.data import vocab_io
+from t5forge.data.vocab import Vocabulary
 from t5forge.errors import UserError
+from t5forge.nn import quant
 from t5forge.nn.config import ModelConfig
+from t5forge.nn.stack import stack_layers, unstack_layers
 
 HF, T5X, T5FORGE = "hf", "t5x", "t5forge"
 
@@ -119,7 +126,6 @@ RUNTIME_FIELDS = ("dtype", "scan_layers", "remat_policy", "dropout_rate",
 
 def relayout(params: dict, *, scanned: bool, to_scanned: bool) -> dict:
   """Converts parameters between the per-layer and the scanned (stacked) layout."""
-  from t5forge.nn.stack import stack_layers, unstack_layers  # pylint: disable=import-outside-toplevel
   if scanned == to_scanned:
     return params
   return stack_layers(params) if to_scanned else unstack_layers(params)
@@ -155,6 +161,47 @@ def load_checkpoint(path: str, **overrides) -> LoadedCheckpoint:
   new_config = config.replace(**overrides) if overrides else config
   params = relayout(params, scanned=config.scan_layers, to_scanned=new_config.scan_layers)
   if new_config.weight_dtype == "int8" and config.weight_dtype != "int8":
-    from t5forge.nn import quant  # pylint: disable=import-outside-toplevel
     params = quant.quantize_params(params)
   return LoadedCheckpoint(new_config, params, fmt, path, step=step, extras=extras)
+
+def of_checkpoint(ckpt: LoadedCheckpoint) -> Vocabulary | None:
+  """The vocabulary stored with a loaded checkpoint (None: T5X, or HF without a
+  tokenizer)."""
+  if ckpt.format == T5FORGE:
+    return vocab_io.from_spec(ckpt.extras.get("vocabulary"))
+  if ckpt.format == HF:
+    return hf.from_hf_dir(ckpt.path)
+  return None
+
+
+def from_checkpoint(path: str) -> Vocabulary | None:
+  """The vocabulary of the checkpoint at `path`, without reading its weights.
+
+  For gin: `VOCABULARY = @vocab_io.from_checkpoint()` with
+  `vocab_io.from_checkpoint.path = %INITIAL_CHECKPOINT_PATH` (the data layer's gin name for
+  this function, installed below).
+
+  Args:
+    path: a t5forge checkpoint or MODEL_DIR (its latest checkpoint's spec), an HF
+      directory (spiece.model / ByT5's tokenizer_config.json; weights are not needed),
+      a Hugging Face Hub name (fetched as `load_checkpoint` does), or a T5X checkpoint.
+
+  Returns:
+    The vocabulary, or None where the checkpoint stores none.
+  """
+  if not path:
+    raise UserError("vocab_io.from_checkpoint: no path; bind vocab_io.from_checkpoint.path "
+                    "(e.g. = %INITIAL_CHECKPOINT_PATH)")
+  path = local_path(path)
+  if os.path.isdir(path):
+    ckpt_dir = path if native.is_native_checkpoint(path) else native.latest_checkpoint(path)
+    if ckpt_dir is not None:
+      return vocab_io.from_spec(native.read_config(ckpt_dir).get("vocabulary"))
+    vocab = hf.from_hf_dir(path)
+    if vocab is not None:
+      return vocab
+  detect_format(path)  # not a checkpoint at all: its one-line error
+  return None
+
+
+vocab_io.set_checkpoint_reader(from_checkpoint)

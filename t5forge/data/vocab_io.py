@@ -1,5 +1,4 @@
-"""Vocabularies saved with checkpoints, found in Hugging Face directories, written for
-transformers, and compared.
+"""Vocabularies saved with checkpoints, described and compared.
 
 A checkpoint stores its vocabulary as a small JSON spec; a SentencePiece model travels
 inside it (base64), so a checkpoint decodes text on any machine, without the file it was
@@ -9,20 +8,27 @@ trained with. Loading writes the model once into the cache directory
 `difference(a, b)` says whether two vocabularies map text to the same ids, and
 `check_task` refuses a task whose vocabulary is not the one a checkpoint was trained with
 (token ids of one vocabulary are other words in another: the output is garbage).
-`write_hf_tokenizer` writes what transformers' `AutoTokenizer` loads.
+
+Reading the vocabulary of a checkpoint on disk (a t5forge, Hugging Face or T5X one) needs
+the checkpoint formats, a layer above this one: the `convert` package's `from_checkpoint`.
+That package installs it as `from_checkpoint` here when imported (every command that reads
+gin files imports it first), so that gin files keep naming it `vocab_io.from_checkpoint`.
 """
 from __future__ import annotations
 
 import base64
 import hashlib
-import json
 import os
 import re
+from typing import Callable
 
 from t5forge.data import files
 from t5forge.data.vocab import (ByteVocabulary, PassThroughVocabulary, SentencePieceVocabulary,
                                 TokenizersVocabulary, Vocabulary)
 from t5forge.errors import UserError
+
+# What `from_checkpoint` calls; set by the convert layer (see the module doc).
+_checkpoint_reader: Callable[[str], Vocabulary | None] | None = None
 
 
 def to_spec(vocab: Vocabulary | None) -> dict | None:
@@ -73,84 +79,6 @@ def from_spec(spec: dict | None) -> Vocabulary | None:
   raise UserError(f"unknown vocabulary type {kind!r} in checkpoint config")
 
 
-def _read_json(path: str) -> dict:
-  if not os.path.isfile(path):
-    return {}
-  try:
-    with open(path, encoding="utf-8") as f:
-      return json.load(f)
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise UserError(f"{path}: not valid JSON ({e})") from None
-
-
-def _token_name(value) -> str | None:
-  """'<eos>' from "<eos>" or from {"content": "<eos>", ...} (an AddedToken)."""
-  return value.get("content") if isinstance(value, dict) else value
-
-
-def _t5gemma_vocab(path: str, hf_config: dict) -> Vocabulary | None:
-  """A T5Gemma directory's tokenizer.model (SentencePiece), else its tokenizer.json
-  (`tokenizers`), checked against config.json's vocab_size; None when it has neither and
-  no tokenizer config either; a UserError naming the files when only that is there."""
-  want = hf_config.get("vocab_size") or (hf_config.get("decoder") or {}).get("vocab_size")
-  spm_path, json_path = os.path.join(path, "tokenizer.model"), os.path.join(path, "tokenizer.json")
-  if os.path.isfile(spm_path):
-    vocab, used = SentencePieceVocabulary(spm_path), spm_path
-  elif os.path.isfile(json_path):
-    special = {**_read_json(os.path.join(path, "special_tokens_map.json")),
-               **_read_json(os.path.join(path, "tokenizer_config.json"))}
-    from tokenizers import Tokenizer  # pylint: disable=import-outside-toplevel
-    try:
-      tok = Tokenizer.from_file(json_path)
-    except Exception as e:  # tokenizers raises its own Exception type
-      raise UserError(f"{json_path}: not a tokenizers tokenizer.json ({e})") from None
-    ids = {k: tok.token_to_id(_token_name(special.get(f"{k}_token")) or default)
-           for k, default in (("eos", "<eos>"), ("bos", "<bos>"), ("pad", "<pad>"))}
-    if ids["pad"] not in (None, 0):
-      raise UserError(f"{json_path}: pad token has id {ids['pad']}; t5forge pads with id 0")
-    vocab = TokenizersVocabulary(json_path, eos_id=1 if ids["eos"] is None else ids["eos"],
-                                 bos_id=ids["bos"])
-    used = json_path
-  elif any(os.path.isfile(os.path.join(path, n))
-           for n in ("tokenizer_config.json", "special_tokens_map.json")):
-    raise UserError(f"{path}: has tokenizer_config.json but neither tokenizer.model nor "
-                    "tokenizer.json; copy one of them from the model's release")
-  else:
-    return None
-  if want is not None and vocab.vocab_size != int(want):
-    raise UserError(f"{used}: {vocab.vocab_size} ids, but config.json's vocab_size is {want}; "
-                    "use the tokenizer this model was trained with")
-  return vocab
-
-
-def from_hf_dir(path: str) -> Vocabulary | None:
-  """The vocabulary of an HF directory. T5: spiece.model (T5, Flan-T5, mT5) with the
-  tokenizer's extra ids (100 unless tokenizer_config.json says otherwise), or ByT5's bytes
-  (125 extra ids). T5Gemma (config.json's model_type): tokenizer.model, else
-  tokenizer.json through the `tokenizers` library, of config.json's vocab_size. None when
-  the directory has no tokenizer."""
-  hf_config = _read_json(os.path.join(path, "config.json"))
-  if hf_config.get("model_type") in ("t5gemma", "t5gemma2"):
-    return _t5gemma_vocab(path, hf_config)
-  tok_cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
-  spm_path = os.path.join(path, "spiece.model")
-  if os.path.isfile(spm_path):
-    return SentencePieceVocabulary(spm_path, extra_ids=int(tok_cfg.get("extra_ids", 100)))
-  if "ByT5" in str(tok_cfg.get("tokenizer_class", "")):
-    return ByteVocabulary(extra_ids=int(tok_cfg.get("extra_ids", 125)))
-  return None
-
-
-def of_checkpoint(ckpt) -> Vocabulary | None:
-  """The vocabulary stored with a `convert.LoadedCheckpoint` (None: T5X, or HF without a
-  tokenizer)."""
-  if ckpt.format == "t5forge":
-    return from_spec(ckpt.extras.get("vocabulary"))
-  if ckpt.format == "hf":
-    return from_hf_dir(ckpt.path)
-  return None
-
-
 def from_model_file(path: str, config) -> SentencePieceVocabulary:
   """A SentencePiece .model given on the command line (--vocabulary) for a model of
   `config`: with T5's 100 extra ids (sentinels), or none for T5Gemma, whose Gemma
@@ -161,36 +89,21 @@ def from_model_file(path: str, config) -> SentencePieceVocabulary:
   return SentencePieceVocabulary(path, extra_ids=0 if gemma else 100)
 
 
+def set_checkpoint_reader(reader: Callable[[str], Vocabulary | None]) -> None:
+  """Installs what `from_checkpoint` calls (the convert layer's `from_checkpoint`)."""
+  global _checkpoint_reader
+  _checkpoint_reader = reader
+
+
 def from_checkpoint(path: str) -> Vocabulary | None:
-  """The vocabulary of the checkpoint at `path`, without reading its weights.
-
-  For gin: `VOCABULARY = @vocab_io.from_checkpoint()` with
-  `vocab_io.from_checkpoint.path = %INITIAL_CHECKPOINT_PATH`.
-
-  Args:
-    path: a t5forge checkpoint or MODEL_DIR (its latest checkpoint's spec), an HF
-      directory (spiece.model / ByT5's tokenizer_config.json; weights are not needed),
-      a Hugging Face Hub name (fetched as `convert.load_checkpoint` does), or a T5X
-      checkpoint.
-
-  Returns:
-    The vocabulary, or None where the checkpoint stores none.
-  """
-  from t5forge import convert  # pylint: disable=import-outside-toplevel
-  from t5forge.convert import native  # pylint: disable=import-outside-toplevel
-  if not path:
-    raise UserError("vocab_io.from_checkpoint: no path; bind vocab_io.from_checkpoint.path "
-                    "(e.g. = %INITIAL_CHECKPOINT_PATH)")
-  path = convert.local_path(path)
-  if os.path.isdir(path):
-    ckpt_dir = path if native.is_native_checkpoint(path) else native.latest_checkpoint(path)
-    if ckpt_dir is not None:
-      return from_spec(native.read_config(ckpt_dir).get("vocabulary"))
-    vocab = from_hf_dir(path)
-    if vocab is not None:
-      return vocab
-  convert.detect_format(path)  # not a checkpoint at all: its one-line error
-  return None
+  """The vocabulary of the checkpoint at `path`: the gin name of `convert.from_checkpoint`
+  (see there), e.g. `VOCABULARY = @vocab_io.from_checkpoint()` with
+  `vocab_io.from_checkpoint.path = %INITIAL_CHECKPOINT_PATH`."""
+  if _checkpoint_reader is None:
+    raise UserError("vocab_io.from_checkpoint needs the checkpoint readers, which are not "
+                    "loaded: import t5forge's convert package first, or call its "
+                    "from_checkpoint")
+  return _checkpoint_reader(path)
 
 
 def _label(vocab: SentencePieceVocabulary | TokenizersVocabulary) -> str:
@@ -284,94 +197,3 @@ def check_task(item, vocab: Vocabulary | None, *, against: str, fix: str, log=pr
         raise UserError(f"task {task.name!r} is tokenized with {describe(feature.vocabulary)}, "
                         f"but {against} uses {describe(vocab)}{detail}: the same ids would be "
                         f"other words. {fix}")
-
-
-def write_hf_tokenizer(vocab: Vocabulary | None, out_dir: str) -> list[str]:
-  """Writes the tokenizer files of `vocab` that transformers' `AutoTokenizer` loads.
-
-  SentencePiece: `spiece.model` (the model itself; transformers appends the extra ids as
-  T5's tokenizer always did), `tokenizer.json` (the fast tokenizer transformers would
-  build from it: Unigram pieces and scores + `<extra_id_N>` counting down from the top,
-  the model's normalization table, Metaspace splitting, EOS appended),
-  `tokenizer_config.json` and `special_tokens_map.json` (as Google's T5 releases have
-  them). Byte: ByT5's `tokenizer_config.json`, its extra ids listed from the top id down so
-  that `<extra_id_0>` is the last id, as here and in T5X.
-
-  Returns:
-    Notes for the user (what could not be written, where transformers may differ).
-  """
-  def dump(name, obj):
-    with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
-      json.dump(obj, f, indent=2, ensure_ascii=False)
-
-  if vocab is None:
-    return ["no tokenizer written: the checkpoint stores no vocabulary (load it with "
-            "t5forge.load(path, vocabulary=...) and save_hf from there)"]
-  extras = [f"<extra_id_{i}>" for i in range(vocab.extra_ids)]
-  special = {"eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}
-  if isinstance(vocab, ByteVocabulary):
-    dump("tokenizer_config.json", {"tokenizer_class": "ByT5Tokenizer", **special,
-                                   "extra_ids": vocab.extra_ids,
-                                   "additional_special_tokens": extras[::-1]})
-    dump("special_tokens_map.json", {**special, "additional_special_tokens": extras[::-1]})
-    return []
-  if not isinstance(vocab, SentencePieceVocabulary):
-    return [f"no tokenizer written: transformers has no tokenizer for {describe(vocab)}"]
-  from sentencepiece import sentencepiece_model_pb2 as model_pb2  # pylint: disable=import-outside-toplevel
-  with open(vocab.path, "rb") as f:
-    blob = f.read()
-  proto = model_pb2.ModelProto()
-  proto.ParseFromString(blob)
-  kinds = model_pb2.ModelProto.SentencePiece
-  pieces = [(p.piece, p.score) for p in proto.pieces] + [(t, 0.0) for t in reversed(extras)]
-  special = {"eos_token": pieces[vocab.eos_id][0], "unk_token": pieces[vocab.unk_id][0],
-             "pad_token": pieces[vocab.pad_id][0]}
-
-  def added(i, content, is_special):
-    return {"id": i, "content": content, "single_word": False, "lstrip": False,
-            "rstrip": False, "normalized": False, "special": is_special}
-
-  charsmap = proto.normalizer_spec.precompiled_charsmap
-  metaspace = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always",
-               "split": True}
-  eos = special["eos_token"]
-  tokenizer = {
-      "version": "1.0", "truncation": None, "padding": None,
-      "added_tokens": [added(i, p.piece, p.type != kinds.USER_DEFINED)
-                       for i, p in enumerate(proto.pieces)
-                       if p.type in (kinds.UNKNOWN, kinds.CONTROL, kinds.USER_DEFINED)]
-                      + [added(len(pieces) - 1 - i, t, True) for i, t in enumerate(extras)][::-1],
-      "normalizer": ({"type": "Precompiled",
-                      "precompiled_charsmap": base64.b64encode(charsmap).decode("ascii")}
-                     if charsmap else None),
-      "pre_tokenizer": {"type": "Sequence",
-                        "pretokenizers": [{"type": "WhitespaceSplit"}, metaspace]},
-      "post_processor": {
-          "type": "TemplateProcessing",
-          "single": [{"Sequence": {"id": "A", "type_id": 0}},
-                     {"SpecialToken": {"id": eos, "type_id": 0}}],
-          "pair": [{"Sequence": {"id": "A", "type_id": 0}},
-                   {"SpecialToken": {"id": eos, "type_id": 0}},
-                   {"Sequence": {"id": "B", "type_id": 0}},
-                   {"SpecialToken": {"id": eos, "type_id": 0}}],
-          "special_tokens": {eos: {"id": eos, "ids": [vocab.eos_id], "tokens": [eos]}}},
-      "decoder": metaspace,
-      "model": {"type": "Unigram", "unk_id": vocab.unk_id,
-                "vocab": [[p, s] for p, s in pieces], "byte_fallback": False},
-  }
-  with open(os.path.join(out_dir, "spiece.model"), "wb") as f:
-    f.write(blob)
-  dump("tokenizer.json", tokenizer)
-  # No model_max_length: T5's relative positions have no limit, and a number here makes
-  # transformers warn about (and, with truncation=True, cut) longer inputs.
-  dump("tokenizer_config.json", {"tokenizer_class": "T5Tokenizer", **special,
-                                 "extra_ids": vocab.extra_ids,
-                                 "additional_special_tokens": extras})
-  dump("special_tokens_map.json", {**special, "additional_special_tokens": extras})
-  spec = proto.normalizer_spec
-  if (proto.trainer_spec.model_type != model_pb2.TrainerSpec.UNIGRAM
-      or not spec.add_dummy_prefix or not spec.remove_extra_whitespaces):
-    return [f"{describe(vocab)} is not a unigram model with SentencePiece's default "
-            "whitespace handling; transformers' T5 tokenizer assumes one, so its ids may "
-            "differ from t5forge's for some text"]
-  return []

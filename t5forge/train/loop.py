@@ -337,8 +337,9 @@ class _Run:
   def check_vocabulary(self, path: str, *, fix: str, allow: bool = False) -> None:
     """Refuses (with `allow`: warns) when the checkpoint at `path` stores another
     vocabulary than the task's: its embeddings would read the task's ids as other words."""
+    from t5forge.convert import from_checkpoint  # pylint: disable=import-outside-toplevel
     from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
-    theirs = vocab_io.from_checkpoint(path)
+    theirs = from_checkpoint(path)
     diff = theirs is not None and vocab_io.difference(self.model.vocabulary, theirs)
     if diff and allow:
       self.log(f"warning: task {self.task.name!r} and checkpoint {path} have different "

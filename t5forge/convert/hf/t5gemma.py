@@ -1,46 +1,34 @@
-"""Hugging Face T5Gemma checkpoints <-> t5forge parameters, both ways, without torch.
+"""The T5Gemma family (`model_type` t5gemma), read from and written as what
+`transformers.T5GemmaForConditionalGeneration` loads.
 
-Reads a local directory holding `config.json` (`model_type` 't5gemma', with nested
-`encoder` and `decoder` configs) and weights as `model.safetensors` or sharded
-safetensors with an index; writes a directory that
-`transformers.T5GemmaForConditionalGeneration.from_pretrained` loads, with the tokenizer
-files. The generic parts (weight files, sharding, the staged output directory, the
-name-table walk) are `hf.py`'s; this module holds what is T5Gemma's: the nested configs,
-the name table and the tokenizer files of T5Gemma releases.
-
-The parameter tree is `t5forge.nn.t5gemma`'s (architecture 't5gemma'). HF Linear weights
-are [out, in], our kernels [in, out]; norms are the same `w` of `x * (1 + w)`; the
-decoder embedding is the tied output layer (`lm_head.out_proj.weight`).
-
-Vocabulary: released directories hold `tokenizer.model` (Gemma's SentencePiece model:
-pad 0, eos 1, bos 2, unk 3) and `tokenizer.json`; `vocab_io.from_hf_dir` reads the first
-with our SentencePiece vocabulary, else the second with the `tokenizers` library.
+config.json nests an `encoder` and a `decoder` config; the parameter tree is
+`t5forge.nn.t5gemma`'s (architecture 't5gemma'). Norms are the same `w` of `x * (1 + w)`;
+the decoder embedding is the tied output layer (`lm_head.out_proj.weight`). The tokenizer
+files are Gemma's (`tokenizer.read_gemma`).
 """
 from __future__ import annotations
 
-import json
 import os
-import shutil
 from typing import Iterator
 
-from t5forge.convert import hf
-from t5forge.errors import UserError
-from t5forge.nn.config import ModelConfig
+import numpy as np
 
-ARCHITECTURE = "t5gemma"
+from t5forge.convert.hf import tokenizer
+from t5forge.convert.hf.config_files import (CONFIG_FILE, GENERATION_CONFIG_FILE, eos_token_ids,
+                                             eos_value, int_if_whole, read_generation_config)
+from t5forge.convert.hf.family import Family, NameTable, params_to_state, state_to_params
+from t5forge.convert.hf.weights import load_hf_state
+from t5forge.errors import UserError
+from t5forge.nn.config import T5GEMMA, ModelConfig
+
+ARCHITECTURE = T5GEMMA
 HF_ARCHITECTURE = "T5GemmaForConditionalGeneration"
-TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
-                   "special_tokens_map.json", "added_tokens.json")
 LM_HEAD = "lm_head.out_proj.weight"
 _ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_new")  # both are the tanh form, our 'gelu'
 
 # Fields the two stacks share in our config: encoder and decoder must agree on them.
 _SHARED = ("rms_norm_eps", "query_pre_attn_scalar", "attn_logit_softcapping", "sliding_window",
            "max_position_embeddings")
-
-
-def is_t5gemma(config: ModelConfig) -> bool:
-  return config.architecture == ARCHITECTURE
 
 
 def _rope_theta(module: dict, where: str) -> float:
@@ -85,30 +73,9 @@ def _module(hf_cfg: dict, side: str, source: str) -> dict:
   return m
 
 
-def _eos_token_ids(hf_cfg: dict, generation: dict | None, source: str,
-                   generation_source: str) -> tuple[int, ...] | None:
-  """The ids that end a decode: generation_config.json's eos_token_id (what
-  transformers' generate uses), else config.json's. An int or [1] is the vocabulary's
-  EOS alone (None); a list such as [1, 107] (instruction-tuned: <eos>, <end_of_turn>)
-  is kept."""
-  where, value = generation_source, (generation or {}).get("eos_token_id")
-  if value is None:
-    where = source
-    value = hf_cfg.get("eos_token_id", (hf_cfg.get("decoder") or {}).get("eos_token_id"))
-  ids = [value] if value is None or isinstance(value, int) else value
-  vocab = hf_cfg.get("vocab_size") or (hf_cfg.get("decoder") or {}).get("vocab_size")
-  if not isinstance(ids, list) or not all(
-      i is None or (isinstance(i, int) and not isinstance(i, bool) and 0 < i
-                    and (vocab is None or i < int(vocab))) for i in ids):
-    raise UserError(f"{where}: eos_token_id {value!r} is not a token id or a list of them "
-                    f"(in [1, vocab_size {vocab})); fix it, e.g. [1, 107]")
-  ids = [i for i in ids if i is not None]
-  return None if set(ids) <= {1} else tuple(dict.fromkeys(ids))
-
-
 def config_from_hf(hf_cfg: dict, *, source: str, untied_lm_head: bool = False,
                    generation: dict | None = None,
-                   generation_source: str = "generation_config.json") -> ModelConfig:
+                   generation_source: str = GENERATION_CONFIG_FILE) -> ModelConfig:
   """T5Gemma config.json (nested encoder/decoder) -> ModelConfig (architecture 't5gemma').
 
   Args:
@@ -181,7 +148,7 @@ def config_from_hf(hf_cfg: dict, *, source: str, untied_lm_head: bool = False,
         max_position_embeddings=(None if dec.get("max_position_embeddings") is None
                                  else int(dec["max_position_embeddings"])),
         decoder_start_token_id=int(dec.get("bos_token_id", 2)),
-        eos_token_ids=_eos_token_ids(hf_cfg, generation, source, generation_source),
+        eos_token_ids=eos_token_ids(hf_cfg, generation, source, generation_source),
     )
   except KeyError as err:
     raise UserError(f"{source}: missing field {err.args[0]!r} needed for a T5Gemma "
@@ -192,17 +159,6 @@ def config_from_hf(hf_cfg: dict, *, source: str, untied_lm_head: bool = False,
     return ModelConfig(**fields)
   except UserError as err:  # what the checks above do not name by its config.json field
     raise UserError(f"{source}: {err}") from None
-
-
-def _int_if_whole(x: float) -> float | int:
-  return int(x) if float(x).is_integer() else x
-
-
-def _eos_value(config: ModelConfig) -> int | list[int]:
-  """HF's eos_token_id: 1 (<eos>), or the list of ids that end a decode, <eos> first."""
-  if not config.eos_token_ids:
-    return 1
-  return list(dict.fromkeys((1,) + tuple(config.eos_token_ids)))
 
 
 def _module_config(config: ModelConfig, *, encoder: bool) -> dict:
@@ -225,7 +181,7 @@ def _module_config(config: ModelConfig, *, encoder: bool) -> dict:
       "attention_dropout": 0.0,
       "dropout_rate": config.dropout_rate,
       # transformers declares it an int (strictly checked); ours is a float.
-      "query_pre_attn_scalar": _int_if_whole(config.query_pre_attn_scalar
+      "query_pre_attn_scalar": int_if_whole(config.query_pre_attn_scalar
                                              if config.query_pre_attn_scalar is not None
                                              else c.head_dim),
       "sliding_window": config.sliding_window,
@@ -234,7 +190,7 @@ def _module_config(config: ModelConfig, *, encoder: bool) -> dict:
       "final_logit_softcapping": config.final_logit_softcapping,
       "attn_logit_softcapping": config.attn_logit_softcapping,
       "pad_token_id": 0,
-      "eos_token_id": _eos_value(config),
+      "eos_token_id": eos_value(config),
       "bos_token_id": config.decoder_start_token_id,
       "tie_word_embeddings": config.logits_via_embedding,
       "is_decoder": not encoder,
@@ -246,7 +202,7 @@ def _module_config(config: ModelConfig, *, encoder: bool) -> dict:
 
 def hf_config_from(config: ModelConfig) -> dict:
   """ModelConfig (architecture 't5gemma') -> T5Gemma config.json."""
-  if not is_t5gemma(config):
+  if config.architecture != ARCHITECTURE:
     raise UserError(f"architecture {config.architecture!r} is not {ARCHITECTURE!r}")
   if tuple(config.mlp_activations) != ("gelu", "linear"):
     raise UserError(f"mlp_activations {config.mlp_activations}: HF T5Gemma has only the gated "
@@ -269,7 +225,7 @@ def hf_config_from(config: ModelConfig) -> dict:
       "attention_dropout": 0.0,
       "classifier_dropout_rate": 0.0,
       "pad_token_id": 0,
-      "eos_token_id": _eos_value(config),
+      "eos_token_id": eos_value(config),
       "bos_token_id": config.decoder_start_token_id,
       "use_cache": True,
   }
@@ -300,10 +256,10 @@ def _mlp(ours: tuple, theirs: str) -> Iterator[tuple[tuple, str, bool]]:
     yield ours + ("mlp", o, "kernel"), f"{theirs}.mlp.{h}_proj.weight", True
 
 
-def name_table(config: ModelConfig) -> list[tuple[tuple, str, bool]]:
+def name_table(config: ModelConfig) -> NameTable:
   """All (our parameter path, HF weight name, transpose) pairs of an unscanned model, in
   the order of the HF state dict (so the first mismatch reported is the first one there)."""
-  t: list[tuple[tuple, str, bool]] = []
+  t: NameTable = []
   for side, n in (("encoder", config.num_encoder_layers), ("decoder", config.num_decoder_layers)):
     prefix = f"model.{side}"
     t.append(((side, "token_embedder", "embedding"), f"{prefix}.embed_tokens.weight", False))
@@ -327,7 +283,6 @@ def name_table(config: ModelConfig) -> list[tuple[tuple, str, bool]]:
 
 
 def _distinct_lm_head(state: dict) -> bool:
-  import numpy as np  # pylint: disable=import-outside-toplevel
   head, emb = state.get(LM_HEAD), state.get("model.decoder.embed_tokens.weight")
   return head is not None and (emb is None or head.shape != emb.shape
                                or not np.array_equal(head, emb))
@@ -346,86 +301,45 @@ def _check_layer_counts(state: dict, config: ModelConfig, source: str) -> None:
                       f"to {m}")
 
 
-def _read_generation_config(path: str) -> dict | None:
-  if not os.path.isfile(path):
-    return None
-  try:
-    with open(path, encoding="utf-8") as f:
-      value = json.load(f)
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise UserError(f"{path}: not valid JSON ({e}); fix or remove it") from None
-  if not isinstance(value, dict):
-    raise UserError(f"{path}: not a JSON object; fix or remove it")
-  return value
-
-
-def load_hf(model_dir: str, hf_cfg: dict | None = None) -> tuple[ModelConfig, dict]:
-  """Reads an HF T5Gemma directory -> (ModelConfig, float32 parameter tree)."""
-  if not os.path.isdir(model_dir):
-    raise UserError(f"{model_dir}: no such directory")
-  hf_cfg = hf.read_hf_config(model_dir) if hf_cfg is None else hf_cfg
-  source = os.path.join(model_dir, hf.CONFIG_FILE)
-  state = hf.load_hf_state(model_dir)
+def load(model_dir: str, hf_cfg: dict) -> tuple[ModelConfig, dict]:
+  """An HF T5Gemma directory and its config.json -> (ModelConfig, float32 parameter tree)."""
+  source = os.path.join(model_dir, CONFIG_FILE)
+  state = load_hf_state(model_dir)
   untied = hf_cfg.get("tie_word_embeddings", True) is False and _distinct_lm_head(state)
-  gen_source = os.path.join(model_dir, "generation_config.json")
-  generation = _read_generation_config(gen_source)
+  gen_source = os.path.join(model_dir, GENERATION_CONFIG_FILE)
   config = config_from_hf(hf_cfg, source=source, untied_lm_head=untied,
-                          generation=generation, generation_source=gen_source)
+                          generation=read_generation_config(gen_source),
+                          generation_source=gen_source)
   _check_layer_counts(state, config, source)
-  params = hf.state_to_params(state, config, source=model_dir, table=name_table(config),
-                              ignore=(LM_HEAD,) if config.logits_via_embedding else (),
-                              family="T5Gemma")
+  params = state_to_params(state, config, source=model_dir, table=name_table(config),
+                           ignore=(LM_HEAD,) if config.logits_via_embedding else (),
+                           family="T5Gemma")
   return config, params
 
 
-def save_hf(params: dict, config: ModelConfig, out_dir: str, *, vocabulary=None,
-            tokenizer_dir: str | None = None,
-            max_shard_bytes: int = hf.MAX_SHARD_BYTES) -> list[str]:
-  """Writes config.json, generation_config.json, safetensors (sharded past
-  `max_shard_bytes`, 5 GB as transformers) and the tokenizer files: copied from
-  `tokenizer_dir` (a T5Gemma directory read before) when `vocabulary` is None or the
-  same, else written from `vocabulary`.
-
-  Returns:
-    Notes for the user, e.g. that no tokenizer could be written.
-  """
-  hf_config = hf_config_from(config)
-  state = hf.params_to_state(params, config, name_table(config))
-  with hf.staged_dir(out_dir) as tmp:
-    hf.write_json(os.path.join(tmp, hf.CONFIG_FILE), hf_config)
-    hf.write_json(os.path.join(tmp, "generation_config.json"), {
-        "decoder_start_token_id": config.decoder_start_token_id,
-        "bos_token_id": config.decoder_start_token_id, "eos_token_id": _eos_value(config),
-        "pad_token_id": 0})
-    hf.write_safetensors(state, tmp, max_shard_bytes=max_shard_bytes)
-    notes = ([] if hf.copy_tokenizer_files(tokenizer_dir, TOKENIZER_FILES, tmp, vocabulary)
-             else write_tokenizer(vocabulary, tmp))
-  return notes
+def to_state(params: dict, config: ModelConfig) -> dict[str, np.ndarray]:
+  """Our parameter tree -> the HF T5Gemma state dict (float32)."""
+  return params_to_state(params, config, name_table(config))
 
 
-def write_tokenizer(vocabulary, out_dir: str) -> list[str]:
-  """The tokenizer files of a T5Gemma directory for `vocabulary`: `tokenizer.model` for a
-  SentencePiece vocabulary, `tokenizer.json` for a `tokenizers` one, with Gemma's
-  tokenizer_config.json / special_tokens_map.json."""
-  from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
-  from t5forge.data import vocab as vocab_lib  # pylint: disable=import-outside-toplevel
-  if vocabulary is None:
-    return ["no tokenizer written: the checkpoint stores no vocabulary (load it with "
-            "t5forge.load(path, vocabulary=...) and save_hf from there)"]
-  if isinstance(vocabulary, vocab_lib.SentencePieceVocabulary) and not vocabulary.extra_ids:
-    shutil.copy(vocabulary.path, os.path.join(out_dir, "tokenizer.model"))
-    piece = vocabulary.processor.id_to_piece
-  elif isinstance(vocabulary, vocab_lib.TokenizersVocabulary):
-    shutil.copy(vocabulary.path, os.path.join(out_dir, "tokenizer.json"))
-    piece = vocabulary.tokenizer.id_to_token
-  else:
-    return [f"no tokenizer written: a T5Gemma directory holds tokenizer.model or "
-            f"tokenizer.json, which {vocab_io.describe(vocabulary)} has not"]
-  special = {f"{k}_token": piece(i) for k, i in (
-      ("pad", vocabulary.pad_id), ("eos", vocabulary.eos_id), ("bos", vocabulary.bos_id),
-      ("unk", vocabulary.unk_id)) if i is not None}
-  hf.write_json(os.path.join(out_dir, "special_tokens_map.json"), special)
-  hf.write_json(os.path.join(out_dir, "tokenizer_config.json"),
-                {"tokenizer_class": "GemmaTokenizer", "add_bos_token": True,
-                 "add_eos_token": False, **special})
-  return []
+def generation_config(config: ModelConfig) -> dict:
+  """generation_config.json of the Gemma families: bos starts the decoder; eos as
+  `config_files.eos_value`."""
+  return {"decoder_start_token_id": config.decoder_start_token_id,
+          "bos_token_id": config.decoder_start_token_id, "eos_token_id": eos_value(config),
+          "pad_token_id": 0}
+
+
+FAMILY = Family(
+    name="T5Gemma",
+    model_types=(ARCHITECTURE,),
+    hf_architectures=(HF_ARCHITECTURE,),
+    architectures=(ARCHITECTURE,),
+    load=load,
+    hf_config=hf_config_from,
+    generation_config=generation_config,
+    to_state=to_state,
+    tokenizer_files=tokenizer.GEMMA_FILES,
+    read_tokenizer=tokenizer.read_gemma,
+    write_tokenizer=tokenizer.write_gemma,
+)

@@ -1,10 +1,8 @@
-"""Hugging Face T5Gemma 2 checkpoints <-> t5forge parameters (text weights), without torch.
+"""The T5Gemma 2 family (`model_type` t5gemma2), text weights, read from and written as what
+`transformers.T5Gemma2ForConditionalGeneration` loads.
 
-Reads a local directory holding `config.json` (`model_type` 't5gemma2': an `encoder`
-with `text_config` and `vision_config`, a `decoder`) and safetensors weights; writes a
-directory that `transformers.T5Gemma2ForConditionalGeneration.from_pretrained` loads. The
-generic parts (weight files, shards, the staged directory, the name-table walk, tokenizer
-files) are `hf.py`'s and `hf_t5gemma.py`'s.
+config.json holds an `encoder` (with `text_config` and `vision_config`) and a `decoder`.
+The generation config and tokenizer files are T5Gemma's.
 
 Text only. The released checkpoints are multimodal: their SigLIP vision tower
 (`model.encoder.vision_tower.*`) and projector (`model.encoder.multi_modal_projector.*`)
@@ -26,7 +24,11 @@ from typing import Iterator
 
 import numpy as np
 
-from t5forge.convert import hf, hf_t5gemma
+from t5forge.convert.hf import t5gemma, tokenizer
+from t5forge.convert.hf.config_files import (CONFIG_FILE, GENERATION_CONFIG_FILE, eos_token_ids,
+                                             eos_value, int_if_whole, read_generation_config)
+from t5forge.convert.hf.family import Family, NameTable, params_to_state, state_to_params
+from t5forge.convert.hf.weights import load_hf_state
 from t5forge.errors import UserError
 from t5forge.nn.config import T5GEMMA2, ModelConfig
 
@@ -94,7 +96,7 @@ def _text_config(m: dict, where: str) -> dict:
 
 
 def config_from_hf(hf_cfg: dict, *, source: str, generation: dict | None = None,
-                   generation_source: str = "generation_config.json") -> ModelConfig:
+                   generation_source: str = GENERATION_CONFIG_FILE) -> ModelConfig:
   """T5Gemma 2 config.json -> ModelConfig (architecture 't5gemma2').
 
   Args:
@@ -182,8 +184,7 @@ def config_from_hf(hf_cfg: dict, *, source: str, generation: dict | None = None,
                                  else int(dec["max_position_embeddings"])),
         # An id outside the vocabulary never occurs: no eoi vector then.
         eoi_token_id=eoi if 0 <= eoi < vocab_size else None,
-        eos_token_ids=hf_t5gemma._eos_token_ids(  # pylint: disable=protected-access
-            hf_cfg, generation, source, generation_source),
+        eos_token_ids=eos_token_ids(hf_cfg, generation, source, generation_source),
         decoder_start_token_id=int(dec.get("bos_token_id", 2)),
     )
   except KeyError as err:
@@ -220,7 +221,7 @@ def _text_module(config: ModelConfig, *, encoder: bool) -> dict:
       "attention_dropout": 0.0,
       "dropout_rate": config.dropout_rate,
       # transformers declares it an int (strictly checked); ours is a float.
-      "query_pre_attn_scalar": hf_t5gemma._int_if_whole(  # pylint: disable=protected-access
+      "query_pre_attn_scalar": int_if_whole(
           config.query_pre_attn_scalar if config.query_pre_attn_scalar is not None
           else c.head_dim),
       "sliding_window": config.sliding_window,
@@ -229,7 +230,7 @@ def _text_module(config: ModelConfig, *, encoder: bool) -> dict:
       "final_logit_softcapping": config.final_logit_softcapping,
       "attn_logit_softcapping": None,
       "pad_token_id": 0,
-      "eos_token_id": hf_t5gemma._eos_value(config),  # pylint: disable=protected-access
+      "eos_token_id": eos_value(config),
       "bos_token_id": config.decoder_start_token_id,
       "tie_word_embeddings": True,
   }
@@ -268,7 +269,7 @@ def hf_config_from(config: ModelConfig) -> dict:
       "attention_dropout": 0.0,
       "classifier_dropout_rate": 0.0,
       "pad_token_id": 0,
-      "eos_token_id": hf_t5gemma._eos_value(config),  # pylint: disable=protected-access
+      "eos_token_id": eos_value(config),
       "bos_token_id": config.decoder_start_token_id,
       "use_cache": True,
   }
@@ -296,9 +297,9 @@ def _layer(ours: tuple, attention: str, theirs: str) -> Iterator[tuple[tuple, st
   yield ours + ("post_mlp_layer_norm", "scale"), f"{theirs}.post_feedforward_layernorm.weight", False
 
 
-def name_table(config: ModelConfig) -> list[tuple[tuple, str, bool]]:
+def name_table(config: ModelConfig) -> NameTable:
   """All (our parameter path, HF weight name, transpose) pairs of an unscanned model."""
-  t: list[tuple[tuple, str, bool]] = [
+  t: NameTable = [
       (("token_embedder", "embedding"), "model.encoder.embed_tokens.weight", False)]
   if config.eoi_token_id is not None:
     t.append((("eoi_embedding",), EOI, False))
@@ -321,17 +322,14 @@ def text_state(state: dict) -> dict:
   return out
 
 
-def load_hf(model_dir: str, hf_cfg: dict | None = None) -> tuple[ModelConfig, dict]:
-  """Reads an HF T5Gemma 2 directory -> (ModelConfig, float32 parameter tree), text only."""
-  if not os.path.isdir(model_dir):
-    raise UserError(f"{model_dir}: no such directory")
-  hf_cfg = hf.read_hf_config(model_dir) if hf_cfg is None else hf_cfg
-  gen_source = os.path.join(model_dir, "generation_config.json")
-  config = config_from_hf(
-      hf_cfg, source=os.path.join(model_dir, hf.CONFIG_FILE),
-      generation=hf_t5gemma._read_generation_config(gen_source),  # pylint: disable=protected-access
-      generation_source=gen_source)
-  state = text_state(hf.load_hf_state(model_dir))
+def load(model_dir: str, hf_cfg: dict) -> tuple[ModelConfig, dict]:
+  """An HF T5Gemma 2 directory and its config.json -> (ModelConfig, float32 parameter tree),
+  text only."""
+  gen_source = os.path.join(model_dir, GENERATION_CONFIG_FILE)
+  config = config_from_hf(hf_cfg, source=os.path.join(model_dir, CONFIG_FILE),
+                          generation=read_generation_config(gen_source),
+                          generation_source=gen_source)
+  state = text_state(load_hf_state(model_dir))
   emb = state.get("model.encoder.embed_tokens.weight")
   for name in TIED:
     tied = state.get(name)
@@ -340,31 +338,32 @@ def load_hf(model_dir: str, hf_cfg: dict | None = None) -> tuple[ModelConfig, di
       raise UserError(f"{model_dir}: {name} differs from model.encoder.embed_tokens.weight; "
                       "T5Gemma 2 ties them (t5forge cannot hold separate ones)")
   ignore = TIED + (() if config.eoi_token_id is not None else (EOI,))
-  params = hf.state_to_params(state, config, source=model_dir, table=name_table(config),
-                              ignore=ignore, family="T5Gemma 2")
+  params = state_to_params(state, config, source=model_dir, table=name_table(config),
+                           ignore=ignore, family="T5Gemma 2")
   return config, params
 
 
-def save_hf(params: dict, config: ModelConfig, out_dir: str, *, vocabulary=None,
-            tokenizer_dir: str | None = None,
-            max_shard_bytes: int = hf.MAX_SHARD_BYTES) -> list[str]:
-  """Writes config.json, generation_config.json, safetensors and the tokenizer files (as
-  `hf_t5gemma.save_hf`). Returns notes for the user."""
-  hf_config = hf_config_from(config)
-  state = hf.params_to_state(params, config, name_table(config))
-  if config.eoi_token_id is None:  # transformers expects the vector; it is never used
+def to_state(params: dict, config: ModelConfig) -> dict[str, np.ndarray]:
+  """Our parameter tree -> the HF T5Gemma 2 state dict (float32), with the end-of-image
+  vector transformers expects even where the config has none (it is never used then)."""
+  state = params_to_state(params, config, name_table(config))
+  if config.eoi_token_id is None:
     state[EOI] = np.zeros((config.emb_dim,), np.float32)
-  with hf.staged_dir(out_dir) as tmp:
-    hf.write_json(os.path.join(tmp, hf.CONFIG_FILE), hf_config)
-    hf.write_json(os.path.join(tmp, "generation_config.json"), {
-        "decoder_start_token_id": config.decoder_start_token_id,
-        "bos_token_id": config.decoder_start_token_id,
-        "eos_token_id": hf_t5gemma._eos_value(config),  # pylint: disable=protected-access
-        "pad_token_id": 0})
-    hf.write_safetensors(state, tmp, max_shard_bytes=max_shard_bytes)
-    notes = ([] if hf.copy_tokenizer_files(tokenizer_dir, hf_t5gemma.TOKENIZER_FILES, tmp,
-                                           vocabulary)
-             else hf_t5gemma.write_tokenizer(vocabulary, tmp))
-  notes.append("text weights only: transformers initialises the placeholder vision tower "
-               "randomly on loading; do not give this model images")
-  return notes
+  return state
+
+
+FAMILY = Family(
+    name="T5Gemma 2",
+    model_types=(ARCHITECTURE,),
+    hf_architectures=(HF_ARCHITECTURE,),
+    architectures=(ARCHITECTURE,),
+    load=load,
+    hf_config=hf_config_from,
+    generation_config=t5gemma.generation_config,
+    to_state=to_state,
+    tokenizer_files=tokenizer.GEMMA_FILES,
+    read_tokenizer=tokenizer.read_gemma,
+    write_tokenizer=tokenizer.write_gemma,
+    save_notes=("text weights only: transformers initialises the placeholder vision tower "
+                "randomly on loading; do not give this model images",),
+)
