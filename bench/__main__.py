@@ -33,13 +33,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
-import signal
 import sys
 import time
 
-from bench import decode_cases, shapes, t5gemma_cases, table, train_cases
+from bench import (decode_cases, report as report_lib, serve, shapes, t5gemma_cases, table,
+                   train_cases)
 from bench.prepare import RESULTS_DIR, Context, bf16_hardware, machine_info, prepare_models
 from bench.workers import WorkerError, log
 
@@ -81,28 +80,15 @@ def _cases(raw: list) -> list[str]:
   return cases
 
 
-def _write_json(path: str, report: dict) -> None:
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(report, f, indent=2, default=str)
-  os.replace(tmp, path)
-
-
-def _terminate(signum, frame):  # pylint: disable=unused-argument
-  raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   if argv[:1] == ["serve"]:  # its own driver, flags and JSON (bench/serve.py); never in "all"
-    from bench import serve  # pylint: disable=import-outside-toplevel
     return serve.main(argv[1:])
   args = _parse(argv)
   plan = shapes.QUICK if args.quick else shapes.FULL
   rounds = args.rounds or plan.rounds
   if not args.quick and rounds < 3:
-    log(f"warning: --rounds {rounds} < 3; issue 7 asks for medians of at least 3")
+    log(f"warning: --rounds {rounds} < 3; the tables want medians of at least 3")
   sizes = (args.sizes.split(",") if args.sizes else (["tiny"] if args.quick else ["small", "base"]))
   unknown = [s for s in sizes if s not in shapes.SHAPES]
   if unknown:
@@ -124,9 +110,9 @@ def main(argv=None) -> int:
   stem = "bench_t5gemma" if set(cases) <= {"matmul", "t5gemma"} and "t5gemma" in cases else "bench"
   output = args.output or os.path.join(RESULTS_DIR, f"{stem}_quick.json" if args.quick
                                        else f"{stem}.json")
-  signal.signal(signal.SIGTERM, _terminate)
+  report_lib.unwind_on_sigterm()
 
-  report = {"benchmark": "t5forge side by side (issue 7)",
+  report = {"benchmark": "t5forge side by side",
             "command": " ".join(["python -m bench"] + list(argv)),
             "started": time.strftime("%Y-%m-%d %H:%M:%S"), "quick": args.quick,
             "rounds": rounds, "sizes": sizes, "cases": cases,
@@ -161,15 +147,15 @@ def main(argv=None) -> int:
         log(f"{case} failed: {e}")
         report["errors"].append({"case": case, "error": str(e)})
       report["targets"] = table.targets(report)
-      _write_json(output, report)  # partial results survive a later failure
+      report_lib.write_json(output, report)  # partial results survive a later failure
   except KeyboardInterrupt:
     log("interrupted; workers stopped")
     report["errors"].append({"case": "all", "error": "interrupted"})
-    _write_json(output, report)
+    report_lib.write_json(output, report)
     return 130
   report["seconds"] = round(time.perf_counter() - started, 1)
   report["targets"] = table.targets(report)
-  _write_json(output, report)
+  report_lib.write_json(output, report)
   print(table.render(report))
   for err in report["errors"]:
     print(f"\n{err['case']} FAILED: {err['error'].strip().splitlines()[-1]}")

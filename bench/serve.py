@@ -37,20 +37,18 @@ import http.client
 import json
 import math
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
 
+from bench import report as report_lib
 from bench.prepare import CACHE_DIR, RESULTS_DIR, machine_info
 from bench.workers import REPO_ROOT, log
+from t5forge import testing
 
-VOCAB_PATH = os.path.join(REPO_ROOT, "t5forge", "data", "bundled", "bible_en_es_8k.model")
 TEXT_PATH = os.path.join(REPO_ROOT, "t5forge", "data", "bundled", "english_web_bible.txt.gz")
-EXTRA_IDS = 100
 TARGETS = {"c16_vs_offline_b16_tokens_per_s": 0.8, "c1_p50_vs_offline_b1_latency": 1.2}
 
 
@@ -81,30 +79,20 @@ QUICK = Plan(preset="t5_1_1.tiny", concurrency=(1, 4, 16), requests=(4, 8, 32),
 
 
 # -- model and prompts -------------------------------------------------------------------
-def _vocabulary():
-  from t5forge.data.vocab import SentencePieceVocabulary  # pylint: disable=import-outside-toplevel
-  return SentencePieceVocabulary(VOCAB_PATH, extra_ids=EXTRA_IDS)
-
-
 def checkpoint_dir(plan: Plan, seed: int) -> str:
   return os.path.join(CACHE_DIR, f"serve-{plan.preset}-v8000-seed{seed}", "checkpoint")
 
 
 def build_checkpoint(plan: Plan, seed: int) -> str:
-  """The random-init model with its vocabulary, as a t5forge checkpoint (built once)."""
-  import t5forge  # pylint: disable=import-outside-toplevel
+  """The random-init model with its vocabulary, as a t5forge checkpoint (built once; the
+  save commits atomically, so the cache never holds half of one)."""
   path = checkpoint_dir(plan, seed)
   if os.path.isdir(path):
     return path
-  vocab = _vocabulary()
-  log(f"building {plan.preset} (vocab {vocab.vocab_size}, seed {seed}) -> "
+  log(f"building {plan.preset} (bundled vocabulary, seed {seed}) -> "
       f"{os.path.relpath(path, REPO_ROOT)}")
-  model = t5forge.init(plan.preset, vocab_size=vocab.vocab_size, vocabulary=vocab, seed=seed)
-  tmp = path + f".tmp{os.getpid()}"
   os.makedirs(os.path.dirname(path), exist_ok=True)
-  model.save(tmp)
-  os.replace(tmp, path)  # never a half-written checkpoint under the final name
-  return path
+  return testing.checkpoint_with_vocabulary(path, plan.preset, seed)
 
 
 def candidate_prompts(vocab, count: int, pieces: int) -> list[str]:
@@ -175,86 +163,7 @@ class Offline:
     return keep
 
 
-# -- the server ---------------------------------------------------------------------------
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-class Server:
-  """`python -m t5forge serve` as a child process; stopped with SIGTERM on exit."""
-
-  def __init__(self, checkpoint: str, plan: Plan, log_path: str, extra: list[str]):
-    self.port = free_port()
-    self.argv = [sys.executable, "-m", "t5forge", "serve", "--checkpoint", checkpoint,
-                 "--host", "127.0.0.1", "--port", str(self.port),
-                 "--max_batch_size", str(plan.max_batch_size), *plan.server_flags, *extra]
-    self.log_path = log_path
-    self.plan = plan
-    self.proc = None
-    self.exit_code = None
-
-  def __enter__(self):
-    os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
-    self._log = open(self.log_path, "w")  # pylint: disable=consider-using-with
-    log("starting: " + " ".join(self.argv[1:]))
-    self.proc = subprocess.Popen(  # pylint: disable=consider-using-with
-        self.argv, cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-        start_new_session=True)  # its own session: a ctrl-C reaches only the bench
-    return self
-
-  def wait_ready(self) -> float:
-    """Seconds until GET /health answers 200 (start-up compiles the buckets first)."""
-    start = time.perf_counter()
-    while time.perf_counter() - start < self.plan.health_timeout_s:
-      if self.proc.poll() is not None:
-        raise RuntimeError(f"server exited with {self.proc.returncode} during start-up; "
-                           f"log {self.log_path}:\n{self.tail()}")
-      try:
-        status, _, _ = request("127.0.0.1", self.port, "GET", "/health", timeout=5)
-        if status == 200:
-          return time.perf_counter() - start
-      except OSError:
-        pass
-      time.sleep(0.5)
-    raise RuntimeError(f"server not ready after {self.plan.health_timeout_s:.0f} s; log "
-                       f"{self.log_path}:\n{self.tail()}")
-
-  def tail(self, lines: int = 20) -> str:
-    with open(self.log_path, errors="replace") as f:
-      return "".join(f.readlines()[-lines:])
-
-  def __exit__(self, *exc):
-    if self.proc is not None and self.proc.poll() is None:
-      self.proc.send_signal(signal.SIGTERM)  # graceful: finishes what is in flight
-      try:
-        self.exit_code = self.proc.wait(timeout=60)
-      except subprocess.TimeoutExpired:
-        self.proc.kill()
-        self.exit_code = self.proc.wait()
-    elif self.proc is not None:
-      self.exit_code = self.proc.returncode
-    self._log.close()
-    return False
-
-
-def request(host: str, port: int, method: str, path: str, body: dict | None = None,
-            timeout: float = 600, conn: http.client.HTTPConnection | None = None):
-  """-> (status, headers dict, body bytes); one request, on `conn` if given."""
-  own = conn is None
-  conn = conn or http.client.HTTPConnection(host, port, timeout=timeout)
-  try:
-    data = None if body is None else json.dumps(body).encode()
-    conn.request(method, path, body=data,
-                 headers={"Content-Type": "application/json"} if data else {})
-    resp = conn.getresponse()
-    return resp.status, dict(resp.getheaders()), resp.read()
-  finally:
-    if own:
-      conn.close()
-
-
+# -- the load -------------------------------------------------------------------------------
 def _one(conn, body: dict, stream: bool) -> dict:
   """One completion: latency, first-token time (streamed), completion tokens, status."""
   start = time.perf_counter()
@@ -380,16 +289,16 @@ def _quantile(xs: list[float], q: float) -> float | None:
 
 
 # -- /metrics -----------------------------------------------------------------------------
-def scrape(port: int) -> dict[str, dict]:
+def scrape(url: str) -> dict[str, dict]:
   """Histograms of GET /metrics: name -> {'buckets': {le: cumulative count}, 'sum', 'count'}
   (summed over label sets other than `le`; of a histogram by route, only the completions
   route, so that the scrapes themselves are not counted)."""
   from prometheus_client.parser import text_string_to_metric_families  # pylint: disable=import-outside-toplevel
-  status, _, body = request("127.0.0.1", port, "GET", "/metrics", timeout=30)
+  status, _, body = testing.request(url, "/metrics", timeout=30)
   if status != 200:
     return {}
   out = {}
-  for fam in text_string_to_metric_families(body.decode()):
+  for fam in text_string_to_metric_families(body):
     if fam.type != "histogram":
       continue
     h = out.setdefault(fam.name, {"buckets": {}, "sum": 0.0, "count": 0.0})
@@ -454,7 +363,7 @@ def run(plan: Plan, seed: int, server_args: list[str]) -> dict:
   offline = Offline(path, plan)
   report = {"checkpoint": os.path.relpath(path, REPO_ROOT),
             "model": f"{plan.preset} shape, random init (seed {seed}), vocabulary "
-                     f"bible_en_es_8k.model + {EXTRA_IDS} extra ids ({offline.vocab.vocab_size})",
+                     f"bible_en_es_8k.model + {testing.EXTRA_IDS} extra ids ({offline.vocab.vocab_size})",
             "plan": dataclasses.asdict(plan), "notes": []}
 
   log("screening prompts (offline greedy, all new tokens without EOS)")
@@ -478,26 +387,31 @@ def run(plan: Plan, seed: int, server_args: list[str]) -> dict:
 
   log_path = os.path.join(CACHE_DIR, "logs", "serve_server.log")
   levels = []
-  with Server(path, plan, log_path, server_args) as server:
+  flags = ["--max_batch_size", str(plan.max_batch_size), *plan.server_flags, *server_args]
+  # Its own session: a ctrl-C reaches only the bench, which stops it with SIGTERM (graceful:
+  # it finishes what is in flight) when leaving the `with`.
+  with testing.Server(path, *flags, wait=False, cwd=REPO_ROOT, log_path=log_path,
+                      own_session=True) as server:
+    log("starting: " + " ".join(server.argv[1:]))
     report["server_argv"] = ["python"] + server.argv[1:]
-    report["server_ready_s"] = server.wait_ready()
+    report["server_ready_s"] = server.wait_ready(plan.health_timeout_s)
     log(f"server ready after {report['server_ready_s']:.1f} s (port {server.port})")
-    status, _, body = request("127.0.0.1", server.port, "GET", "/v1/models")
-    model_id = json.loads(body)["data"][0]["id"] if status == 200 else "t5forge"
+    status, _, body = testing.request(server.url, "/v1/models")
+    model_id = body["data"][0]["id"] if status == 200 else "t5forge"
     # Warm-up: a few requests through the whole stack (first-call costs outside XLA).
     drive(server.port, model_id, prompts, 2, 4, plan.new_tokens)
     drive(server.port, model_id, prompts, 1, 2, plan.new_tokens, stream=True)
-    names = list(scrape(server.port))
+    names = list(scrape(server.url))
     hist = pick_histograms(names)
     report["histograms"] = {**hist, "all": names}
     runs = [(c, n, False) for c, n in zip(plan.concurrency, plan.requests)]
     runs.append((1, 2 * plan.stream_requests, "alternate"))
     offline_point()
     for c, n, stream in runs:
-      m0 = scrape(server.port)
+      m0 = scrape(server.url)
       log(f"concurrency {c}{', streamed every other' if stream else ''}: {n} requests")
       out = drive(server.port, model_id, prompts, c, n, plan.new_tokens, stream=stream)
-      m1 = scrape(server.port)
+      m1 = scrape(server.url)
       offline_point()
       for row in out if isinstance(out, tuple) else (out,):
         for key, name in hist.items():
@@ -509,7 +423,7 @@ def run(plan: Plan, seed: int, server_args: list[str]) -> dict:
                                        if row.get("batch") else ""))
         row["offline_adjacent"] = offline_points[-2:]  # just before and just after
         levels.append(row)
-  report["server_exit_code"] = server.exit_code
+  report["server_exit_code"] = server.proc.returncode
   report["levels"] = levels
   report["offline"] = {}
   for k in inputs:
@@ -619,7 +533,7 @@ def _git_state() -> dict:
 def _parse(argv):
   p = argparse.ArgumentParser(prog="python -m bench serve",
                               description="t5forge serve under load, against offline "
-                                          "generate calls in the same run (issue 17)")
+                                          "generate calls in the same run")
   p.add_argument("--quick", action="store_true", help="smoke test: tiny model, few requests")
   p.add_argument("--seed", type=int, default=0, help="seed of the weights")
   p.add_argument("--output", default=None,
@@ -630,22 +544,21 @@ def _parse(argv):
 
 
 def main(argv=None) -> int:
-  from bench.__main__ import _terminate, _write_json  # pylint: disable=import-outside-toplevel
   argv = sys.argv[1:] if argv is None else list(argv)
   args = _parse(argv)
   plan = QUICK if args.quick else FULL
   output = args.output or os.path.join(RESULTS_DIR, "serve_quick.json" if args.quick
                                        else "serve.json")
   # SIGTERM unwinds like ctrl-C, so the server child is stopped on the way out.
-  signal.signal(signal.SIGTERM, _terminate)
+  report_lib.unwind_on_sigterm()
   started = time.perf_counter()
-  report = {"benchmark": "t5forge serve under load vs offline generate (issue 17)",
+  report = {"benchmark": "t5forge serve under load vs offline generate",
             "command": " ".join(["python -m bench serve"] + argv),
             "started": time.strftime("%Y-%m-%d %H:%M:%S"), "quick": args.quick,
             "machine": machine_info(), "git": _git_state()}
   report.update(run(plan, args.seed, args.server_args.split()))
   report["seconds"] = round(time.perf_counter() - started, 1)
-  _write_json(output, report)
+  report_lib.write_json(output, report)
   print(render(report))
   print(f"\nwrote {os.path.relpath(output)} ({report['seconds']:.0f} s)")
   errors = sum(r["error_count"] for r in report["levels"])

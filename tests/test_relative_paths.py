@@ -10,7 +10,7 @@ import jax
 import pytest
 
 import t5forge
-from serve_helpers import FAST_FLAGS, Server, request, tiny_checkpoint
+from t5forge.testing import FAST_FLAGS, Server, request, tiny_checkpoint
 from t5forge.convert import manifest, native
 from t5forge.errors import UserError
 from train_helpers import ROOT, error_line

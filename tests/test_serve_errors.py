@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-import serve_helpers as sh
+from t5forge import testing as sh
 from train_helpers import ROOT, error_line
 
 KEY = "sk-test-key"

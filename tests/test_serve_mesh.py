@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from serve_helpers import FAST_FLAGS, Server, request, tiny_checkpoint
+from t5forge.testing import FAST_FLAGS, Server, request, tiny_checkpoint
 
 PROMPTS = ["In the beginning God created the heavens and the earth.", "Jesus wept.",
            "The LORD is my shepherd; I shall not want.", "Love is patient and kind.",

@@ -12,7 +12,7 @@ import numpy as np
 import openai
 import pytest
 
-import serve_helpers as sh
+from t5forge import testing as sh
 from train_helpers import ROOT, read_jsonl
 
 PROMPTS = ["translate English to Spanish: God is love.", "In the beginning God created",

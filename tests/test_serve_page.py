@@ -15,7 +15,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
-from serve_helpers import FAST_FLAGS, Server, request, tiny_checkpoint
+from t5forge.testing import FAST_FLAGS, Server, request, tiny_checkpoint
 from train_helpers import ROOT
 
 PAGE = os.path.join(ROOT, "t5forge", "serve", "page.html")

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-import serve_helpers as sh
+from t5forge import testing as sh
 
 MAX_TOKENS = 128
 REQUESTS = 8

@@ -1,0 +1,197 @@
+"""Tiny fixtures shared by the tests and the benchmarks: a random checkpoint that carries the
+bundled vocabulary, and `python -m t5forge serve` as a child process.
+
+    path = testing.tiny_checkpoint("/tmp/tiny")            # t5_1_1.tiny, seed 1, 8,100 ids
+    with testing.Server(path, *testing.FAST_FLAGS) as server:   # ready: compiled, listening
+      status, headers, body = testing.request(server.url, "/v1/completions",
+                                              {"prompt": "God is love.", "max_tokens": 4})
+
+A server listens on 127.0.0.1 on a free port chosen here (so `.url` is known before it is
+ready); it is ready when it prints its one `ready at URL` line, which `t5forge serve` prints
+once /health would answer 200. Everything it prints is kept (`.output()`, and a log file if
+asked) and shown when it fails to become ready.
+
+This module imports only the standard library at module level (never pytest, torch or
+transformers); building a checkpoint imports t5forge's models when called.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+BUNDLED_VOCABULARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "bundled",
+                                  "bible_en_es_8k.model")
+EXTRA_IDS = 100  # T5's sentinels, appended to the bundled SentencePiece model's 8,000 pieces
+# Few, small buckets: start-up compiles in seconds on CPU.
+FAST_FLAGS = ["--max_batch_size", "8", "--batch_buckets", "1,8", "--length_buckets", "32",
+              "--decode_buckets", "8", "--warmup", "greedy"]
+
+
+# -- models ---------------------------------------------------------------------------------
+def bundled_vocabulary():
+  """The bundled SentencePiece vocabulary with T5's 100 sentinels (8,100 ids)."""
+  from t5forge.data.vocab import SentencePieceVocabulary  # pylint: disable=import-outside-toplevel
+  return SentencePieceVocabulary(BUNDLED_VOCABULARY, extra_ids=EXTRA_IDS)
+
+
+def checkpoint_with_vocabulary(path: str, preset: str, seed: int) -> str:
+  """A random-init `preset` whose vocabulary is the bundled one, saved with `Model.save`
+  (the checkpoint carries its vocabulary, as `t5forge serve` needs); returns `path`."""
+  import t5forge  # pylint: disable=import-outside-toplevel
+  vocab = bundled_vocabulary()
+  t5forge.init(preset, vocabulary=vocab, vocab_size=vocab.vocab_size, seed=seed).save(path)
+  return path
+
+
+def tiny_checkpoint(path: str) -> str:
+  """A random t5_1_1.tiny (seed 1) with the bundled vocabulary, saved at `path`."""
+  return checkpoint_with_vocabulary(path, "t5_1_1.tiny", seed=1)
+
+
+# -- the server -----------------------------------------------------------------------------
+class ServerNotReady(RuntimeError):
+  """`t5forge serve` exited or timed out before its ready line; the message ends with what
+  it printed."""
+
+
+def free_port() -> int:
+  """A TCP port on 127.0.0.1 that was free a moment ago."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+class Server:
+  """A running `python -m t5forge serve --checkpoint CHECKPOINT --host 127.0.0.1 --port P
+  *flags`; `.url`, `.port`, `.argv`, `.proc`, `.ready_line`, `.output()` (all it printed).
+
+  Args:
+    checkpoint: what `--checkpoint` gets (relative to `cwd` when relative).
+    *flags: more flags of `t5forge serve`.
+    wait: wait for the ready line here; wait=False returns once the process started,
+      and `.wait_ready()` waits later.
+    timeout: seconds to wait for the ready line (start-up compiles every bucket first).
+    env, cwd: the child's environment and directory (default: this process's).
+    log_path: also write everything the server prints to this file.
+    own_session: start it in its own session, so that a ctrl-C in the terminal reaches
+      only this process (which then stops the server with SIGTERM, via `stop`).
+
+  As a context manager, leaving it stops the server (`stop`).
+  """
+
+  def __init__(self, checkpoint: str, *flags: str, wait: bool = True, timeout: float = 300,
+               env: dict | None = None, cwd: str | None = None, log_path: str | None = None,
+               own_session: bool = False):
+    self.port = free_port()
+    self.url = f"http://127.0.0.1:{self.port}"
+    self.argv = [sys.executable, "-m", "t5forge", "serve", "--checkpoint", checkpoint,
+                 "--host", "127.0.0.1", "--port", str(self.port), *flags]
+    self.log_path = log_path
+    self.ready_line: str | None = None
+    self.ready_s: float | None = None  # seconds from the start to the ready line
+    self._ready_url: str | None = None
+    self._lines: list[str] = []
+    self._ready = threading.Event()
+    self._log = None
+    if log_path:
+      os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+      self._log = open(log_path, "w", encoding="utf-8")  # pylint: disable=consider-using-with
+    self._start = time.perf_counter()
+    self.proc = subprocess.Popen(  # pylint: disable=consider-using-with
+        self.argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=own_session)
+    self._reader = threading.Thread(target=self._read, daemon=True)
+    self._reader.start()
+    if wait:
+      self.wait_ready(timeout)
+
+  def _read(self) -> None:
+    for line in self.proc.stdout:
+      self._lines.append(line)
+      if self._log is not None:
+        self._log.write(line)
+        self._log.flush()
+      m = re.search(r"ready at (http://\S+)", line)
+      if m and self.ready_line is None:
+        self.ready_line, self._ready_url = line, m.group(1)
+        self.ready_s = time.perf_counter() - self._start
+        self._ready.set()
+    self._ready.set()  # it exited
+
+  def wait_ready(self, timeout: float = 300) -> float:
+    """Waits for the ready line; returns the seconds from the start to it. Kills the
+    server and raises ServerNotReady (with what it printed) when it exits or times out."""
+    if not self._ready.wait(timeout) or self.ready_line is None:
+      code = self.proc.poll()
+      self.proc.kill()
+      self.proc.wait()
+      why = (f"exited with {code}" if code is not None else f"not ready in {timeout:.0f} s")
+      raise ServerNotReady(f"t5forge serve {why}:\n{self.output()[-3000:]}")
+    if self._ready_url != self.url:
+      self.stop()
+      raise ServerNotReady(f"t5forge serve announced another address than {self.url}: "
+                           f"{self.ready_line}")
+    return self.ready_s
+
+  def output(self) -> str:
+    """Everything the server printed so far (stdout and stderr)."""
+    return "".join(self._lines)
+
+  def stop(self, timeout: float = 60) -> int:
+    """SIGTERM (it finishes the requests in flight), SIGKILL after `timeout` s; -> the
+    exit code."""
+    if self.proc.poll() is None:
+      self.proc.send_signal(signal.SIGTERM)
+      try:
+        self.proc.wait(timeout)
+      except subprocess.TimeoutExpired:
+        self.proc.kill()
+        self.proc.wait()
+    self._reader.join(5)
+    if self._log is not None and not self._log.closed:
+      self._log.close()
+    return self.proc.returncode
+
+  def __enter__(self) -> Server:
+    return self
+
+  def __exit__(self, *exc) -> bool:
+    self.stop()
+    return False
+
+
+def request(url: str, path: str, body=None, *, headers=None, method=None, raw: bytes | None = None,
+            timeout: float = 120):
+  """One HTTP request; -> (status, headers with lower-case names, parsed JSON or text),
+  without raising on 4xx/5xx. `body` is sent as JSON, `raw` as given."""
+  data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+  hdrs = {"Content-Type": "application/json"} if data is not None else {}
+  hdrs.update(headers or {})
+  req = urllib.request.Request(url + path, data=data, headers=hdrs, method=method)
+  try:
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+      status, h, payload = r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
+  except urllib.error.HTTPError as e:
+    status, h, payload = e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()
+  try:
+    return status, h, json.loads(payload)
+  except ValueError:
+    return status, h, payload.decode()
+
+
+def wait_for(predicate, timeout: float = 30, what: str = "condition") -> None:
+  """Polls `predicate` every 50 ms until it is true; TimeoutError after `timeout` s."""
+  deadline = time.time() + timeout
+  while not predicate():
+    if time.time() >= deadline:
+      raise TimeoutError(f"timed out waiting for {what}")
+    time.sleep(0.05)
