@@ -131,7 +131,12 @@ class Server:
     """Waits for the ready line; returns the seconds from the start to it. Kills the
     server and raises ServerNotReady (with what it printed) when it exits or times out."""
     if not self._ready.wait(timeout) or self.ready_line is None:
-      code = self.proc.poll()
+      code = None
+      if self._ready.is_set():  # its output ended: it exited, or is about to
+        try:
+          code = self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+          pass
       self.proc.kill()
       self.proc.wait()
       why = (f"exited with {code}" if code is not None else f"not ready in {timeout:.0f} s")
