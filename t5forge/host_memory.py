@@ -41,10 +41,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import os
 import platform
 import subprocess
 import sys
+
+log = logging.getLogger(__name__)
 
 ENV = "T5FORGE_MALLOC"
 CHOICES = ("auto", "hugepages", "jemalloc", "tcmalloc", "keep", "system")
@@ -221,7 +224,7 @@ def reexec() -> None:
   """
   env, note = plan()
   if note:
-    print(note, file=sys.stderr, flush=True)
+    log.warning(note)
     os.environ[MARKER] = "system"  # tell describe() and child processes
   if env is None:
     return

@@ -51,6 +51,8 @@ from t5forge.data import vocab_io
 from t5forge.data.vocab import Vocabulary
 from t5forge.errors import UserError
 
+log = logging.getLogger(__name__)
+
 # Offline-stage randomness (e.g. select_random_chunk) is seeded by this constant
 # and the example's position only, so the stage can be cached and shared.
 _OFFLINE_SEED = 0x7435
@@ -263,7 +265,7 @@ class Task:
           {k: (f.vocabulary.fingerprint(), f.add_eos) for k, f in self.output_features.items()},
           sorted((sequence_length or {}).items()) if uses_length else None])
       if fp is None:
-        logging.warning("task %r: a preprocessor before the cache point has no stable identity "
+        log.warning("task %r: a preprocessor before the cache point has no stable identity "
                         "(a lambda or closure); its output is kept in memory, not cached on disk",
                         self.name)
       else:

@@ -72,6 +72,8 @@ from t5forge.data import preprocessors as pre
 from t5forge.data import tasks as tasks_lib
 from t5forge.errors import UserError
 
+log = logging.getLogger(__name__)
+
 MODES = ("R", "S", "X")
 MODE_TOKENS: dict[str, str | int | None] = {"R": "[NLU]", "S": "[S2S]", "X": "[NLG]"}
 
@@ -257,7 +259,7 @@ def denoiser_windows(denoisers: Sequence[Denoiser], mode_ids: Sequence[Sequence[
   key = (tuple(denoisers), tuple(windows), tuple(sorted(sequence_length.items())))
   if shortened and key not in _WARNED:
     _WARNED.add(key)
-    logging.warning("ul2_objective: raw windows shortened so that the targets fit their "
+    log.warning("ul2_objective: raw windows shortened so that the targets fit their "
                     "length (%s; UL2 uses equal inputs and targets lengths) and every span has "
                     "its own sentinel (%s extra ids): %s tokens", targets_length, max_spans,
                     ", ".join(shortened))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import signal
 import time
@@ -34,6 +35,8 @@ from t5forge.train.settings import (CheckpointConfig, DatasetConfig, EarlyStoppi
                                     SaveCheckpointConfig, Trainer)
 from t5forge.train.state import TrainState
 from t5forge.train.step import check_microbatches, make_eval_step, make_train_step
+
+log = logging.getLogger(__name__)
 
 
 class TrainingDiverged(UserError):
@@ -130,7 +133,7 @@ def train(*, model: BaseModel, model_dir: str, train_dataset_cfg: DatasetConfig,
   model_dir = _prepare_model_dir(model_dir)
   # Before anything is written into MODEL_DIR: one run per MODEL_DIR (one lock per job).
   lock = run_lock.lock_for_job(model_dir, command="t5forge train",
-                               log=print if multihost.is_chief() else lambda *_: None)
+                               log=log.info if multihost.is_chief() else lambda *_: None)
   run = None
   try:
     run = _Run(model_dir=model_dir, model=model, seed=seed,
@@ -222,7 +225,7 @@ class _Run:
     self.model_dir, self.model, self.seed = model_dir, model, seed
     self.partitioner, self.total_steps = partitioner, total_steps
     self.is_chief = multihost.is_chief()
-    self.log = print if self.is_chief else (lambda *a, **k: None)
+    self.log = log.info if self.is_chief else (lambda *a, **k: None)
     self.train_iter = self.checkpointer = self.fingerprints = None
     self.writer = metrics_lib.MetricWriter(model_dir, enabled=self.is_chief)
     self.train_eval = self.inference_evaluator = None

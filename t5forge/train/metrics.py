@@ -11,12 +11,15 @@ line per report, `step 40/1400: loss per target token 3.210, 1,234 tok/s, ETA 5m
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from typing import Any
 
 import jax
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 
 def add_sums(total: dict | None, sums: dict) -> dict:
@@ -137,8 +140,8 @@ class Progress:
       self._bar.set_postfix({"loss/token": f"{loss:.3f}", "tok/s": f"{tokens:,.0f}"},
                             refresh=False)
     elif self._chief:
-      print(f"step {step}/{self._total}: loss per target token {loss:.3f}, {tokens:,.0f} tok/s, "
-            f"ETA {format_duration(self._eta(step, scalars))}", flush=True)
+      log.info("step %d/%d: loss per target token %.3f, %s tok/s, ETA %s", step, self._total,
+               loss, f"{tokens:,.0f}", format_duration(self._eta(step, scalars)))
 
   def _eta(self, step: int, scalars: dict[str, float]) -> float:
     # Wall time per step since the first step (evaluations and checkpoints included),
@@ -153,7 +156,7 @@ class Progress:
     if self._bar is not None:
       self._bar.write(msg)
     elif self._chief:
-      print(msg, flush=True)
+      log.info(msg)
 
   def close(self) -> None:
     if self._bar is not None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import os
 import shlex
 import socket
@@ -28,6 +29,8 @@ import sys
 import time
 
 from t5forge.errors import UserError
+
+log = logging.getLogger(__name__)
 
 LOCK_NAME = ".lock"
 
@@ -104,7 +107,7 @@ class RunLock:
   def __enter__(self) -> "RunLock":
     note = self.acquire()
     if note:
-      print(note, flush=True)
+      log.info(note)
     return self
 
   def __exit__(self, *exc) -> None:
@@ -175,7 +178,7 @@ def _takeover_note(record: dict | None) -> str | None:
 
 
 def lock_for_job(directory: str, *, command: str = "t5forge train",
-                 log=print) -> RunLock | None:
+                 log=log.info) -> RunLock | None:
   """The lock of a (possibly multi-process) job: process 0 takes it, every process
   learns the outcome and raises the same UserError when it was refused.
 

@@ -1,0 +1,33 @@
+"""What the command line shows of the library's log: a plain handler on the "t5forge" logger.
+
+Library modules log through `logging.getLogger("t5forge")` (or a child of it) and print
+nothing; a library user sees warnings (Python's last-resort handler) and configures the rest
+as with any library. The command line shows INFO on stdout and WARNING and above on stderr,
+as bare messages, so its output reads as before. Streams are looked up at each record, so a
+test's captured stdout/stderr sees them.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+
+class _Console(logging.Handler):
+  """INFO -> stdout, WARNING and above -> stderr; the message only, flushed."""
+
+  def emit(self, record: logging.LogRecord) -> None:
+    try:
+      stream = sys.stderr if record.levelno >= logging.WARNING else sys.stdout
+      stream.write(self.format(record) + "\n")
+      stream.flush()
+    except Exception:  # pylint: disable=broad-except  (logging's own contract)
+      self.handleError(record)
+
+
+def install() -> None:
+  """Adds the console handler to the "t5forge" logger once and lets INFO through."""
+  logger = logging.getLogger("t5forge")
+  if not any(isinstance(h, _Console) for h in logger.handlers):
+    logger.addHandler(_Console())
+  if logger.level == logging.NOTSET or logger.level > logging.INFO:
+    logger.setLevel(logging.INFO)
