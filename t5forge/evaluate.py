@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Mapping
+from typing import Any
 
 import jax
-import numpy as np
 
-from t5forge import decoding, multihost, provenance
+from t5forge import decoding, files, multihost, provenance
 from t5forge.errors import UserError
 from t5forge.predict import DecodeOptions, Predictor
 from t5forge.sharding import Partitioner
@@ -46,28 +45,6 @@ def max_feature_lengths(task, split: str, use_cached: bool = False) -> dict[str,
   if not lengths:
     raise UserError(f"task {task.name!r}: split {split!r} has no examples to evaluate")
   return lengths
-
-
-def _jsonable(x: Any) -> Any:
-  if isinstance(x, np.ndarray):
-    return x.tolist()
-  if isinstance(x, (np.generic,)):
-    return x.item()
-  if isinstance(x, bytes):
-    return x.decode("utf-8", errors="replace")
-  if isinstance(x, Mapping):
-    return {k: _jsonable(v) for k, v in x.items()}
-  if isinstance(x, (list, tuple)):
-    return [_jsonable(v) for v in x]
-  return x
-
-
-def _atomic_write_lines(path: str, rows: list[dict]) -> None:
-  tmp = f"{path}.tmp-{os.getpid()}"
-  with open(tmp, "w", encoding="utf-8") as f:
-    for row in rows:
-      f.write(json.dumps(_jsonable(row), ensure_ascii=False) + "\n")
-  os.replace(tmp, path)
 
 
 class InferenceEvaluator:
@@ -202,9 +179,8 @@ class InferenceEvaluator:
     ds = self.datasets[name]
     if checkpoint is None and self.model_dir is not None:
       from t5forge.convert import native  # pylint: disable=import-outside-toplevel
-      checkpoint = {"path": os.path.abspath(os.path.join(
-          self.model_dir, f"{native.CHECKPOINT_PREFIX}{step}")), "step": int(step),
-                    "format": "t5forge", "content": None}
+      checkpoint = {"path": native.step_dir(os.path.abspath(self.model_dir), step),
+                    "step": int(step), "format": "t5forge", "content": None}
     n = ds.num_examples if self.num_examples is None else min(self.num_examples,
                                                               ds.num_examples)
     return provenance.normalized({
@@ -222,7 +198,7 @@ class InferenceEvaluator:
         with the metrics; default MODEL_DIR/checkpoint_<step> (the trainer's hook).
     """
     out = {}
-    chief = jax.process_index() == 0
+    chief = multihost.is_chief()
     if chief:
       os.makedirs(self.output_dir, exist_ok=True)
     for name, ds in self.datasets.items():
@@ -234,7 +210,7 @@ class InferenceEvaluator:
       if not chief:
         continue
       if self.write_predictions:
-        _atomic_write_lines(os.path.join(self.output_dir, f"{name}-{step}.jsonl"), rows)
+        files.write_lines(os.path.join(self.output_dir, f"{name}-{step}.jsonl"), rows)
       with open(os.path.join(self.output_dir, f"{name}-metrics.jsonl"), "a",
                 encoding="utf-8") as f:
         f.write(json.dumps({"step": int(step), **metrics, "num_examples": len(rows),
@@ -340,45 +316,34 @@ def evaluate(*, dataset_cfg, restore_checkpoint_cfg, model=None, output_dir: str
     {step: {"inference_eval/<task>/<metric>": value, ".../num_examples": n}} for the
     checkpoints evaluated now.
   """
-  from t5forge.convert import native, of_checkpoint  # pylint: disable=import-outside-toplevel
-  from t5forge import data, opener  # pylint: disable=import-outside-toplevel
+  from t5forge import convert, data, opener  # pylint: disable=import-outside-toplevel
+  from t5forge.convert import paths  # pylint: disable=import-outside-toplevel
   from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
   path, mode = restore_checkpoint_cfg.path, restore_checkpoint_cfg.mode
   if not path:
     raise UserError("no checkpoint to evaluate; set CHECKPOINT_PATH (--checkpoint)")
   if mode == "all":
-    steps = native.checkpoint_steps(path)
-    if not steps:
-      found = ", ".join(sorted(os.listdir(path))[:6]) if os.path.isdir(path) else "nothing"
-      raise UserError(f"{path}: mode 'all' needs a MODEL_DIR with checkpoint_<step> dirs; "
-                      f"found {found}")
-    paths = [os.path.join(path, f"{native.CHECKPOINT_PREFIX}{s}") for s in steps]
-  elif mode == "latest":
-    latest = native.latest_checkpoint(path)
-    if latest is None:
-      raise UserError(f"{path}: no complete checkpoint_<step> directory to evaluate")
-    paths = [latest]
-  else:
-    paths = [path]
-  model_dir = os.path.dirname(paths[0].rstrip("/")) if native.is_native_checkpoint(paths[0]) \
-      else paths[0]
+    checkpoints = paths.resolve_all(path)
+  else:  # 'latest' and 'specific': a MODEL_DIR means its newest; a Hub name is fetched
+    checkpoints = [paths.resolve(convert.local_path(path))]
+  model_dir = checkpoints[0].model_dir or checkpoints[0].path
   output_dir = output_dir or os.path.join(model_dir, "inference_eval")
   evaluator, results = None, {}
   partitioner = partitioner or Partitioner()
   try:
-    for ckpt_path in paths:
+    for located in checkpoints:
       try:
         # A gin MODEL's layout and weight type apply to the checkpoints as they are read
         # (and the model of the first checkpoint is kept for the others).
-        opened = opener.open_checkpoint(ckpt_path, vocabulary=vocabulary, model=model,
+        opened = opener.open_checkpoint(located.path, vocabulary=vocabulary, model=model,
                                         overrides=load_overrides, partitioner=partitioner)
       except UserError as e:
-        if mode != "all" or len(paths) == 1:
+        if mode != "all" or len(checkpoints) == 1:
           raise
         print(f"note: {str(e).splitlines()[0]}; skipped")  # a damaged one of many
         continue
       ckpt = opened.checkpoint
-      ckpt_vocab = of_checkpoint(ckpt)
+      ckpt_vocab = convert.of_checkpoint(ckpt)
       if dataset_cfg.module:
         data.import_task_module(dataset_cfg.module, flag="--module / MIXTURE_OR_TASK_MODULE")
       vocab_io.check_task(

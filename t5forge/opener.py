@@ -10,6 +10,14 @@ The parameters are placed with the same logical-axis rules the trainer uses
 (`Partitioner.tree_shardings(model.logical_axes())`); a dimension a mesh axis does not
 divide is replicated. int8 kernels (`nn.quant.QArray`) shard `q` as the float kernel and
 `scale` [..., out] as the kernel without its input axis.
+
+How they get there depends on the format. A t5forge checkpoint (the one training writes)
+is restored as training restores it: the shardings are made from the model's abstract
+parameters before anything is read, and Orbax reads each array straight into its shards
+on the mesh, so no device or host holds a full copy of a parameter a mesh splits (a
+model that fits only on the mesh opens). A change of layout on load (`scan_layers`) is
+then made on the mesh. Hugging Face and T5X checkpoints, and int8 weights made on load,
+are converted on the host and then placed.
 """
 from __future__ import annotations
 
@@ -18,12 +26,14 @@ import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from t5forge import models, provenance
-from t5forge.convert import LoadedCheckpoint, load_checkpoint, of_checkpoint
+from t5forge import convert, models, provenance
+from t5forge.convert import LoadedCheckpoint, load_checkpoint, native
 from t5forge.errors import UserError
-from t5forge.sharding import Partitioner
+from t5forge.nn.config import ModelConfig
+from t5forge.sharding import Partitioner, is_axes
 
 
 @dataclasses.dataclass
@@ -57,10 +67,10 @@ class Opened:
     return provenance.checkpoint_identity(c.path, c.step, c.format)
 
 
-def param_shardings(partitioner: Partitioner, model, params: dict) -> dict:
-  """NamedShardings with the structure of `params` (float or int8 kernels) by the rules."""
+def _shardings(partitioner: Partitioner, axes: dict, params: dict) -> dict:
+  """NamedShardings by the rules for `params` (arrays or ShapeDtypeStructs, float or int8
+  kernels) whose logical axes are `axes`."""
   from t5forge.nn import quant  # pylint: disable=import-outside-toplevel
-  axes = model.logical_axes()
 
   def one(path, spec, leaf):
     what = "params" + jax.tree_util.keystr(path)
@@ -74,8 +84,13 @@ def param_shardings(partitioner: Partitioner, model, params: dict) -> dict:
     return jax.sharding.NamedSharding(
         partitioner.mesh, partitioner.divisible(mesh_spec, tuple(np.shape(leaf))))
 
-  from t5forge.sharding import is_axes  # pylint: disable=import-outside-toplevel
   return jax.tree_util.tree_map_with_path(one, axes, params, is_leaf=is_axes)
+
+
+def param_shardings(partitioner: Partitioner, model, params: dict) -> dict:
+  """NamedShardings with the structure of `params` (arrays or ShapeDtypeStructs, float or
+  int8 kernels) by the rules."""
+  return _shardings(partitioner, model.logical_axes(), params)
 
 
 def place_params(partitioner: Partitioner, model, params: dict) -> tuple[dict, dict]:
@@ -120,12 +135,12 @@ def open_checkpoint(path: str, *, vocabulary=None, model=None, overrides: dict |
   if model is not None:
     load_overrides.update(scan_layers=model.config.scan_layers,
                           weight_dtype=model.config.weight_dtype)
-  ckpt = load_checkpoint(path, **load_overrides)
+  ckpt, stored_config = _read(path, load_overrides)
   from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
   if vocabulary_path:
     vocabulary = vocab_io.from_model_file(vocabulary_path, ckpt.config)
   if vocabulary is None:
-    vocabulary = of_checkpoint(ckpt)
+    vocabulary = convert.of_checkpoint(ckpt)
   if vocabulary is not None and vocabulary.vocab_size > ckpt.config.vocab_size:
     raise UserError(f"{vocabulary_path or vocab_io.describe(vocabulary)}: {vocabulary.vocab_size} "
                     f"ids, more than the {ckpt.config.vocab_size} embedding rows (vocab_size) of "
@@ -137,9 +152,71 @@ def open_checkpoint(path: str, *, vocabulary=None, model=None, overrides: dict |
     model = models.model_for(ckpt.config, vocabulary=vocabulary)
   elif model.vocabulary is None:
     model.vocabulary = vocabulary
-  models.check_params_fit(model, ckpt.params, source=ckpt.source_for(model.config))
   partitioner = partitioner or Partitioner()
-  params, shardings = place_params(partitioner, model, ckpt.params)
-  ckpt.params = None  # the host copy: freed once the arrays are placed
+  if stored_config is not None:
+    params, shardings = _restore_on_mesh(partitioner, model, ckpt, stored_config)
+  else:
+    models.check_params_fit(model, ckpt.params, source=ckpt.source_for(model.config))
+    params, shardings = place_params(partitioner, model, ckpt.params)
+    ckpt.params = None  # the host copy: freed once the arrays are placed
   return Opened(model=model, vocabulary=vocabulary, params=params, partitioner=partitioner,
                 param_shardings=shardings, checkpoint=ckpt)
+
+
+def _read(path: str, overrides: dict) -> tuple[LoadedCheckpoint, ModelConfig | None]:
+  """What `path` names, read as far as deciding where its parameters go needs.
+
+  Returns:
+    A t5forge checkpoint: its config (with `overrides`) and no parameters yet, and the
+    config it was stored with (`_restore_on_mesh` reads them). Any other format, or int8
+    weights made on load: the checkpoint read and converted on the host
+    (`convert.load_checkpoint`), and None.
+  """
+  bad = sorted(set(overrides) - set(convert.RUNTIME_FIELDS))
+  if bad:
+    raise UserError(f"cannot override {bad} when loading a checkpoint; only "
+                    f"{list(convert.RUNTIME_FIELDS)} may change")
+  local = convert.local_path(path)
+  if convert.detect_format(local) != convert.T5FORGE:
+    return load_checkpoint(local, **overrides), None
+  stored, meta = native.read_header(local)
+  config = stored.replace(**overrides) if overrides else stored
+  if config.weight_dtype == "int8" and stored.weight_dtype != "int8":
+    # nn.quant quantizes numpy kernels: a conversion on the host, as HF's.
+    return load_checkpoint(local, **overrides), None
+  return LoadedCheckpoint(config, None, convert.T5FORGE, local, step=native.step_of(local) or 0,
+                          extras=meta), stored
+
+
+def _targets(abstract: dict, shardings: dict) -> dict:
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                      abstract, shardings)
+
+
+def _restore_on_mesh(partitioner: Partitioner, model, ckpt: LoadedCheckpoint,
+                     stored_config: ModelConfig) -> tuple[dict, dict]:
+  """A t5forge checkpoint's parameters, read by Orbax straight into their shards on the
+  mesh (no full copy on one device or the host first), and their shardings.
+
+  The model is checked against the checkpoint's shapes before anything is read. With the
+  stored layout the model's (the usual case) each array is restored with its final
+  sharding; with another (`scan_layers` changed on load) it is restored with the stored
+  layout's sharding by the same rules and relaid out by one jitted function on the mesh.
+  """
+  from t5forge import nn as t5nn  # pylint: disable=import-outside-toplevel
+  models.check_params_fit(model, t5nn.abstract_params(ckpt.config),
+                          source=ckpt.source_for(model.config))
+  stored = t5nn.abstract_params(stored_config)
+  to_scanned = ckpt.config.scan_layers
+  if stored_config.scan_layers == to_scanned:
+    shardings = param_shardings(partitioner, model, stored)
+    return native.restore_params(ckpt.path, _targets(stored, shardings)), shardings
+  params = native.restore_params(ckpt.path, _targets(
+      stored, _shardings(partitioner, t5nn.logical_axes(stored_config), stored)))
+  from t5forge.nn.stack import stack_layers, unstack_layers  # pylint: disable=import-outside-toplevel
+
+  def relayout(tree):
+    return stack_layers(tree, stack=jnp.stack) if to_scanned else unstack_layers(tree)
+
+  shardings = param_shardings(partitioner, model, jax.eval_shape(relayout, stored))
+  return jax.jit(relayout, out_shardings=shardings, donate_argnums=0)(params), shardings

@@ -78,9 +78,9 @@ def main(argv: list[str]) -> int:
     if args.module:
       data.import_task_module(args.module)
     task = data.with_vocabulary(task, convert.from_checkpoint(args.checkpoint))
-  from t5forge.convert import native  # pylint: disable=import-outside-toplevel
+  from t5forge.convert import paths  # pylint: disable=import-outside-toplevel
   from t5forge.train.settings import DatasetConfig, RestoreCheckpointConfig  # pylint: disable=import-outside-toplevel
-  mode = args.mode or ("latest" if native.checkpoint_steps(args.checkpoint) else "specific")
+  mode = args.mode or ("latest" if paths.is_model_dir(args.checkpoint) else "specific")
   evaluate.evaluate(
       dataset_cfg=DatasetConfig(task, _lengths(args.feature_lengths), split=args.split,
                                 batch_size=args.batch_size, shuffle=False, pack=False,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from t5forge.convert import hf, native, t5x
+from t5forge.convert import hf, native, paths, t5x
 from t5forge.data import vocab_io
 from t5forge.data.vocab import Vocabulary
 from t5forge.errors import UserError
@@ -88,17 +88,18 @@ def _download(name: str) -> str:
 
 
 def local_path(path: str) -> str:
-  """`path` itself, or where a Hugging Face Hub name such as `google/flan-t5-small` was
-  downloaded to (when it is not a local path)."""
-  if not os.path.exists(path) and _looks_like_hub_name(path):
+  """The local checkpoint `path` names, absolute: where a Hugging Face Hub name such as
+  `google/flan-t5-small` was downloaded to (when it is not a local path), else the
+  checkpoint `paths.resolve` finds (a MODEL_DIR's newest intact checkpoint)."""
+  if path and not os.path.exists(path) and _looks_like_hub_name(path):
     return _download(path)
-  return path
+  return paths.resolve(path).path
 
 
 def detect_format(path: str) -> str:
   """'t5forge', 'hf' or 't5x' for an existing local path; UserError otherwise."""
   if os.path.isdir(path):
-    if native.is_native_checkpoint(path) or native.checkpoint_steps(path):
+    if native.is_native_checkpoint(path) or paths.is_model_dir(path):
       return T5FORGE
     if hf.is_hf_dir(path):
       return HF
@@ -164,6 +165,7 @@ def load_checkpoint(path: str, **overrides) -> LoadedCheckpoint:
     params = quant.quantize_params(params)
   return LoadedCheckpoint(new_config, params, fmt, path, step=step, extras=extras)
 
+
 def of_checkpoint(ckpt: LoadedCheckpoint) -> Vocabulary | None:
   """The vocabulary stored with a loaded checkpoint (None: T5X, or HF without a
   tokenizer)."""
@@ -192,11 +194,10 @@ def from_checkpoint(path: str) -> Vocabulary | None:
   if not path:
     raise UserError("vocab_io.from_checkpoint: no path; bind vocab_io.from_checkpoint.path "
                     "(e.g. = %INITIAL_CHECKPOINT_PATH)")
-  path = local_path(path)
+  path = local_path(path)  # a MODEL_DIR: its newest intact checkpoint (`paths.resolve`)
+  if native.is_native_checkpoint(path):
+    return vocab_io.from_spec(native.read_config(path).get("vocabulary"))
   if os.path.isdir(path):
-    ckpt_dir = path if native.is_native_checkpoint(path) else native.latest_checkpoint(path)
-    if ckpt_dir is not None:
-      return vocab_io.from_spec(native.read_config(ckpt_dir).get("vocabulary"))
     vocab = hf.from_hf_dir(path)
     if vocab is not None:
       return vocab

@@ -12,8 +12,12 @@ of `t5forge convert --to t5forge`):
 
 A MODEL_DIR holds several `checkpoint_<step>` directories; the newest intact one (files
 matching the manifest) is what `t5forge.load(MODEL_DIR)`, `eval` and `infer` read, each
-damaged one skipped with a note; a resumed run does the same (`train.checkpoint`). Reading
-one damaged checkpoint directory is a one-line UserError.
+damaged one skipped with a note (`convert.paths.resolve`); a resumed run does the same
+(`train.checkpoint`). Reading one damaged checkpoint directory is a one-line UserError.
+
+Reading is two steps, so that a caller can decide where the parameters go before any is
+read: `read_header` (manifest check, config) and `restore_params` onto targets that carry
+their shardings (the opener's mesh, training's state). `load` does both onto one device.
 """
 from __future__ import annotations
 
@@ -34,6 +38,17 @@ PARAMS = "params"
 CONFIG = "config"
 CHECKPOINT_PREFIX = "checkpoint_"
 _STEP_DIR = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
+
+
+def step_dir(model_dir: str, step: int) -> str:
+  """MODEL_DIR/checkpoint_<step>."""
+  return os.path.join(model_dir, f"{CHECKPOINT_PREFIX}{step}")
+
+
+def step_of(path: str) -> int | None:
+  """The step of a `checkpoint_<step>` directory, None for a directory of another name."""
+  m = _STEP_DIR.match(os.path.basename(os.path.normpath(path)))
+  return int(m.group(1)) if m else None
 
 
 def is_native_checkpoint(path: str) -> bool:
@@ -70,7 +85,7 @@ def latest_checkpoint(model_dir: str) -> str | None:
   stderr; UserError when every one is damaged."""
   damaged = []
   for step in reversed(checkpoint_steps(model_dir)):
-    path = os.path.join(model_dir, f"{CHECKPOINT_PREFIX}{step}")
+    path = step_dir(model_dir, step)
     try:
       manifest.verify(path)
     except manifest.CheckpointDamaged as e:
@@ -144,12 +159,71 @@ def _shape_difference(path: str, abstract_params) -> str | None:
   return None
 
 
+def read_header(path: str) -> tuple[ModelConfig, dict]:
+  """Checks a checkpoint directory against its manifest and reads its config item.
+
+  Args:
+    path: a `checkpoint_<step>` directory (or a converted one); messages name it as given.
+
+  Returns:
+    (config, the whole JSON config item).
+
+  Raises:
+    manifest.CheckpointDamaged (a UserError) naming what is damaged.
+  """
+  if not is_native_checkpoint(path):
+    raise UserError(f"{path}: not a t5forge checkpoint (needs params/ and config/ inside)")
+  note = manifest.verify(os.path.abspath(path))
+  if note:
+    print(f"note: {note}", file=sys.stderr)
+  try:
+    meta = read_config(path)
+  except Exception as e:  # pylint: disable=broad-except  # damage Orbax meets, in any form
+    raise manifest.unreadable(path, e) from None
+  return ModelConfig.from_dict(meta["model"], source=os.path.join(path, CONFIG)), meta
+
+
+def restore_params(path: str, abstract_params) -> dict:
+  """Restores the parameters of a checkpoint directory straight onto their targets.
+
+  Args:
+    path: a checkpoint directory whose header was read (`read_header`).
+    abstract_params: tree of jax.ShapeDtypeStruct with shardings: each array is read
+      into its shards on the devices the sharding names, no full copy elsewhere first.
+
+  Returns:
+    The parameter tree of jax arrays placed as `abstract_params` says.
+
+  Raises:
+    UserError: the stored parameters differ in name or shape from `abstract_params`.
+    manifest.CheckpointDamaged: Orbax cannot read them.
+  """
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  # Compared before restoring: Orbax restores a stored array into a target of another
+  # shape without a word.
+  difference = _shape_difference(os.path.abspath(path), abstract_params)
+  if difference:
+    raise UserError(f"{path}: parameters do not match the config stored with them "
+                    f"({difference})")
+  try:
+    # Orbax takes absolute paths only.
+    restored = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
+        os.path.abspath(path), ocp.args.Composite(**{
+            PARAMS: ocp.args.StandardRestore(abstract_params)}))
+  except Exception as e:  # pylint: disable=broad-except  # Orbax raises many kinds
+    raise manifest.unreadable(path, e) from None
+  return restored[PARAMS]
+
+
 def load(path: str, *, abstract_params=None) -> tuple[ModelConfig, dict, dict]:
-  """Reads params and config from one checkpoint directory, checked against its manifest.
+  """Reads params and config from one checkpoint directory, checked against its manifest,
+  for a caller that converts them (`convert.load_checkpoint`: another layout, another
+  format); `opener.open_checkpoint` restores onto the mesh instead.
 
   Args:
     path: a `checkpoint_<step>` directory (or a converted one).
-    abstract_params: optional tree of ShapeDtypeStruct (with shardings) to restore onto.
+    abstract_params: optional tree of ShapeDtypeStruct (with shardings) to restore onto;
+      default this process's first device.
 
   Returns:
     (config, params, the whole JSON config item).
@@ -157,18 +231,7 @@ def load(path: str, *, abstract_params=None) -> tuple[ModelConfig, dict, dict]:
   Raises:
     manifest.CheckpointDamaged (a UserError) naming what is damaged.
   """
-  ocp, ckpt = _checkpointer()
-  if not is_native_checkpoint(path):
-    raise UserError(f"{path}: not a t5forge checkpoint (needs params/ and config/ inside)")
-  where, path = path, os.path.abspath(path)  # messages keep the user's spelling
-  note = manifest.verify(path)
-  if note:
-    print(f"note: {note}", file=sys.stderr)
-  try:
-    meta = read_config(path)
-  except Exception as e:  # pylint: disable=broad-except  # damage Orbax meets, in any form
-    raise manifest.unreadable(where, e) from None
-  config = ModelConfig.from_dict(meta["model"], source=os.path.join(where, CONFIG))
+  config, meta = read_header(path)
   if abstract_params is None:
     from t5forge.nn import abstract_params as _abstract  # pylint: disable=import-outside-toplevel
     # Place on this process's first device: a checkpoint written by another mesh or
@@ -176,18 +239,7 @@ def load(path: str, *, abstract_params=None) -> tuple[ModelConfig, dict, dict]:
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     abstract_params = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), _abstract(config))
-  # Compared before restoring: Orbax restores a stored array into a target of another
-  # shape without a word.
-  difference = _shape_difference(path, abstract_params)
-  if difference:
-    raise UserError(f"{where}: parameters do not match the config stored with them "
-                    f"({difference})")
-  try:
-    restored = ckpt.restore(path, ocp.args.Composite(**{
-        PARAMS: ocp.args.StandardRestore(abstract_params)}))
-  except Exception as e:  # pylint: disable=broad-except  # Orbax raises many kinds
-    raise manifest.unreadable(where, e) from None
-  return config, restored[PARAMS], meta
+  return config, restore_params(path, abstract_params), meta
 
 
 def remove(path: str) -> None:

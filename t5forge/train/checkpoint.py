@@ -134,7 +134,7 @@ class Checkpointer:
     return steps[-1] if steps else None
 
   def step_dir(self, step: int) -> str:
-    return os.path.join(self.model_dir, f"{native.CHECKPOINT_PREFIX}{step}")
+    return native.step_dir(self.model_dir, step)
 
   def _write_manifest(self) -> None:
     # Orbax runs this on the primary process after every process's files are written.
@@ -160,7 +160,7 @@ class Checkpointer:
     meta = self._mngr.item_metadata(step)
     saved = _flatten(getattr(meta[native.PARAMS], "tree", meta[native.PARAMS]))
     want = _flatten(abstract_params)
-    path = f"{self.model_dir}/checkpoint_{step}"
+    path = self.step_dir(step)
     for name, spec in want.items():
       if name not in saved:
         raise UserError(f"{path}: has no parameter {name!r}; it was written for another model "
@@ -275,13 +275,12 @@ def initial_params(config: RestoreCheckpointConfig, fresh_params: Any, *,
   """
   if config.dtype != "float32":
     raise UserError(f"RestoreCheckpointConfig.dtype={config.dtype!r}: parameters are float32")
-  path = config.path
   if config.mode == "all":
     raise UserError("RestoreCheckpointConfig.mode='all' is for `t5forge eval`; training "
                     "starts from one checkpoint: use 'specific' or 'latest'")
-  if config.mode == "latest":
-    path = native.latest_checkpoint(path) or path
-  ckpt = load_checkpoint(path, scan_layers=model_config.scan_layers)
+  # 'latest' and 'specific' alike: a MODEL_DIR means its newest intact checkpoint
+  # (`convert.paths.resolve`, through `load_checkpoint`).
+  ckpt = load_checkpoint(config.path, scan_layers=model_config.scan_layers)
   fix = None
   theirs, ours = ckpt.config.architecture, model_config.architecture
   if theirs != ours:  # e.g. a T5 checkpoint given to a T5Gemma model gin
