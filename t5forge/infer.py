@@ -35,9 +35,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from t5forge import decoding, multihost, provenance
+from t5forge import decoding, files, multihost, provenance
 from t5forge.errors import UserError
-from t5forge.data import files
+from t5forge.data.files import iter_lines
 from t5forge.predict import DecodeOptions, Predictor, features_from_tokens
 from t5forge.sharding import Partitioner
 
@@ -60,7 +60,7 @@ def read_file(path: str) -> list[dict[str, str]]:
   if not os.path.isfile(path):
     raise UserError(f"{path}: input file not found")
   rows = []
-  for n, line in files.iter_lines(path):
+  for n, line in iter_lines(path):
     if not line.strip():
       continue
     if name.endswith(".jsonl") or name.endswith(".json"):
@@ -210,16 +210,11 @@ def infer(*, model, params, examples: list[Example], output_dir: str, name: str,
         if mode == "predict_with_aux":
           row["aux"] = {"scores": float(scores[r])}
         lines.append(row)
-    tmp = f"{chunk_path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-      for row in lines:
-        f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    os.replace(tmp, chunk_path)
-    with open(chunk_path + ".COMPLETED", "w", encoding="utf-8") as f:
-      f.write(marker)
+    files.write_lines(chunk_path, lines)
+    files.write_text(chunk_path + ".COMPLETED", marker)  # after the chunk is whole
     done_now += 1
   multihost.sync("t5forge_infer_chunks")
-  if jax.process_index() == 0:
+  if multihost.is_chief():
     _merge(base, n_chunks)
   multihost.sync("t5forge_infer_merged")
   if too_long:
@@ -261,6 +256,14 @@ def _read(path: str) -> str | None:
     return None
 
 
+def _temporaries(base: str) -> list[str]:
+  """What a killed write of `base` or of one of its chunks left: `files.atomic_file`'s
+  temporaries (and an older t5forge's `<name>.tmp-<pid>`)."""
+  folder, name = os.path.split(base)
+  return (glob.glob(os.path.join(glob.escape(folder), f".{glob.escape(name)}*.tmp-*"))
+          + glob.glob(f"{glob.escape(base)}*.tmp-*"))
+
+
 def _claim(base: str, work: dict, *, overwrite: bool) -> None:
   """Makes `base`'s files hold only `work`: refuses (one line naming what differs) output
   of this name made by other work, or deletes it when `overwrite`; then records `work`
@@ -287,20 +290,17 @@ def _claim(base: str, work: dict, *, overwrite: bool) -> None:
     diffs = provenance.differences(old, new)
     if diffs:
       raise UserError(f"{base} was made with {'; '.join(diffs)}; {OVERWRITE_HINT}")
-  if jax.process_index() == 0:
+  if multihost.is_chief():
     if overwrite:
       # The record goes first: a run killed while deleting leaves files that a rerun
       # without --overwrite refuses, never a marker whose chunk is gone.
       markers = [p for p in chunks if p.endswith(".COMPLETED")]
       for path in ([record_path] + markers + sorted(set(chunks) - set(markers)) + [base]
-                   + glob.glob(f"{glob.escape(base)}.tmp-*")):
+                   + _temporaries(base)):
         if os.path.exists(path):
           os.remove(path)
     if overwrite or (recorded != work and not (chunks or merged)):
-      tmp = f"{record_path}.tmp-{os.getpid()}"
-      with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(work, f, indent=1)
-      os.replace(tmp, record_path)
+      files.write_json(record_path, work, indent=1)
   multihost.sync("t5forge_infer_fingerprint")
 
 
@@ -309,105 +309,92 @@ def _merge(base: str, n_chunks: int) -> None:
   missing = [p for p in parts if not os.path.exists(p + ".COMPLETED")]
   if missing:
     raise UserError(f"cannot merge {base}: chunk {missing[0]} is not complete; rerun to finish it")
-  tmp = f"{base}.tmp-{os.getpid()}"
-  with open(tmp, "w", encoding="utf-8") as out:
+  with files.atomic_file(base) as out:
     for p in parts:
       with open(p, encoding="utf-8") as f:
         out.write(f.read())
-  os.replace(tmp, base)
   for p in parts:  # the marker first: a chunk without its marker is simply redone
     os.remove(p + ".COMPLETED")
     os.remove(p)
-  for stale in glob.glob(f"{base}-*.tmp-*"):
+  for stale in _temporaries(base):
     os.remove(stale)
 
 
-def infer_task(*, dataset_cfg, restore_checkpoint_cfg, output_dir: str, model=None,
-               mode: str = "predict", partitioner: Partitioner | None = None,
+def infer_task(*, restore_checkpoint_cfg, output_dir: str, dataset_cfg=None,
+               input_path: str | None = None, model=None, mode: str = "predict",
+               partitioner: Partitioner | None = None,
                decode_options: DecodeOptions | None = None, chunk_size: int = 1024,
-               strict: bool = False, overwrite: bool = False) -> InferResult:
-  """T5X's infer.py through gin: a task's split (dataset_cfg), a checkpoint
-  (restore_checkpoint_cfg.path; mode 'latest' for a MODEL_DIR), JSONL to output_dir.
-  Feature lengths come from dataset_cfg.task_feature_lengths (None: the longest);
-  `overwrite` replaces earlier output of other work (see `infer`)."""
-  from t5forge import data, opener  # pylint: disable=import-outside-toplevel
-  from t5forge.convert import native  # pylint: disable=import-outside-toplevel
-  from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
-  if dataset_cfg.module:
-    from t5forge.data import import_task_module  # pylint: disable=import-outside-toplevel
-    import_task_module(dataset_cfg.module, flag="MIXTURE_OR_TASK_MODULE")
-  path = restore_checkpoint_cfg.path
-  if restore_checkpoint_cfg.mode == "latest":
-    path = native.latest_checkpoint(path) or path
-  # A model gin's layout and weight type apply to the checkpoint as it is read.
-  opened = opener.open_checkpoint(path, model=model,
-                                  partitioner=inference_partitioner(partitioner))
-  ckpt, vocab, model = opened.checkpoint, opened.vocabulary, opened.model
-  item = data.get_mixture_or_task(dataset_cfg.mixture_or_task_name)
-  fix = ("Run the task with the checkpoint's vocabulary: MIXTURE_OR_TASK_NAME = "
-         "@data.with_vocabulary() (see t5forge/data/README.md)")
-  vocab_io.check_task(item, vocab, against=f"checkpoint {ckpt.path}", fix=fix)
-  if model.vocabulary is not None and model.vocabulary is not vocab:
-    vocab_io.check_task(item, model.vocabulary, against="the model (its VOCABULARY)",
-                        fix=fix + ", or set VOCABULARY = None")
-  examples, task = examples_from_task(dataset_cfg.mixture_or_task_name, dataset_cfg.split,
-                                      dataset_cfg.use_cached)
-  if model.vocabulary is None:  # neither checkpoint nor model gin has one: the task's
-    model.vocabulary = task.output_features["targets"].vocabulary
-  lengths = dict(dataset_cfg.task_feature_lengths or {})
-  return infer(model=model, params=opened.params, examples=examples,
-               output_dir=output_dir, name=dataset_cfg.mixture_or_task_name, step=ckpt.step,
-               mode=mode, batch_size=int(dataset_cfg.batch_size), chunk_size=chunk_size,
-               input_length=lengths.get("inputs"), target_length=lengths.get("targets", 64),
-               strict=strict, decode_options=decode_options, partitioner=opened.partitioner,
-               param_shardings=opened.param_shardings, checkpoint=opened.identity(),
-               overwrite=overwrite)
-
-
-def infer_checkpoint(checkpoint: str, *, input_path: str | None = None, task: str | None = None,
-                     split: str = "validation", vocabulary_path: str | None = None,
-                     module: str | None = None, use_checkpoint_vocabulary: bool = False,
-                     use_cached: bool = False, load_overrides: dict | None = None,
-                     name: str | None = None,
-                     partitioner: Partitioner | None = None, **infer_kwargs) -> InferResult:
-  """`t5forge infer --checkpoint ...`: a file (`input_path`) or a task's split, through
-  `opener.open_checkpoint` and `infer`.
+               strict: bool = False, overwrite: bool = False, name: str | None = None,
+               vocabulary_path: str | None = None, use_checkpoint_vocabulary: bool = False,
+               load_overrides: dict | None = None) -> InferResult:
+  """Inference from a checkpoint to JSONL in `output_dir`: the one library entry point of
+  `t5forge infer` (as `evaluate.evaluate` is of `t5forge eval`), and T5X's infer.py
+  through gin (runs/infer.gin binds it).
 
   Args:
+    restore_checkpoint_cfg: its `path`: a checkpoint, a MODEL_DIR (its newest intact
+      checkpoint, mode 'latest' or not), an HF directory or Hub name, or a T5X checkpoint.
+    output_dir: where `<name>-<step>.jsonl` goes (see `infer`).
+    dataset_cfg: the task (mixture_or_task_name, split, use_cached, module), the global
+      batch size and task_feature_lengths: 'inputs' (longer inputs are truncated; None:
+      the longest) and 'targets' (tokens decoded, or the longest target kept in score
+      mode; default 64). With `input_path`, only the batch size, lengths and module apply.
+      Default: batch 32, the default lengths.
+    input_path: a TSV, JSONL or text file of inputs instead of a task (`read_file`).
+    model: a model (gin MODEL); its layout and weight type apply to the checkpoint as it
+      is read. Default: built from the checkpoint's config.
+    name: output name; default the task, or the file's name up to its first dot.
     vocabulary_path: a SentencePiece model when the checkpoint carries no vocabulary.
-    use_checkpoint_vocabulary: tokenize `task` with the checkpoint's vocabulary.
-    use_cached: read `task` from its SeqIO cache.
-    load_overrides: runtime config fields (--dtype, --weight_dtype).
-    **infer_kwargs: output_dir, mode, batch_size, ... of `infer`.
+    use_checkpoint_vocabulary: tokenize the task with the checkpoint's vocabulary (or
+      `vocabulary_path`'s) instead of its own.
+    load_overrides: runtime ModelConfig fields applied as the checkpoint is read
+      (--dtype, --weight_dtype).
+    mode, partitioner, decode_options, chunk_size, strict, overwrite: as `infer`;
+      `overwrite` replaces earlier output of other work.
   """
   from t5forge import data, opener  # pylint: disable=import-outside-toplevel
   from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
-  if module:
-    data.import_task_module(module)
+  task = dataset_cfg.mixture_or_task_name if dataset_cfg is not None else None
+  if not restore_checkpoint_cfg.path:
+    raise UserError("no checkpoint to infer with; set CHECKPOINT_PATH (--checkpoint)")
+  if input_path is None and not task:
+    raise UserError("nothing to infer: set MIXTURE_OR_TASK_NAME (--task) or give --input")
+  if dataset_cfg is not None and dataset_cfg.module:
+    data.import_task_module(dataset_cfg.module, flag="--module / MIXTURE_OR_TASK_MODULE")
   opened = opener.open_checkpoint(
-      checkpoint, vocabulary_path=vocabulary_path, overrides=load_overrides,
-      partitioner=inference_partitioner(partitioner), require_vocabulary=task is None,
+      restore_checkpoint_cfg.path, model=model, vocabulary_path=vocabulary_path,
+      overrides=load_overrides, partitioner=inference_partitioner(partitioner),
+      require_vocabulary=input_path is not None and (model is None or model.vocabulary is None),
       vocabulary_hint="--vocabulary path/to/spiece.model")
   model, vocab = opened.model, opened.vocabulary
-  if task:
+  if input_path is None:
     task_name = data.with_vocabulary(task, vocab) if use_checkpoint_vocabulary else task
-    vocab_io.check_task(
-        data.get_mixture_or_task(task_name), vocab,
-        against=(f"--vocabulary {vocabulary_path}" if vocabulary_path
-                 else f"checkpoint {opened.checkpoint.path}"),
-        fix="Tokenize the task with the checkpoint's vocabulary: --use_checkpoint_vocabulary")
-    examples, item = examples_from_task(task_name, split, use_cached)
-    if model.vocabulary is None:
+    item = data.get_mixture_or_task(task_name)
+    fix = ("Tokenize the task with the checkpoint's vocabulary: t5forge infer "
+           "--use_checkpoint_vocabulary (gin: MIXTURE_OR_TASK_NAME = @data.with_vocabulary(), "
+           "see t5forge/data/README.md)")
+    vocab_io.check_task(item, vocab, against=(
+        f"--vocabulary {vocabulary_path}" if vocabulary_path
+        else f"checkpoint {opened.checkpoint.path}"), fix=fix)
+    if model.vocabulary is not None and model.vocabulary is not vocab:
+      vocab_io.check_task(item, model.vocabulary, against="the model (its VOCABULARY)",
+                          fix=fix + ", or set VOCABULARY = None")
+    examples, item = examples_from_task(task_name, dataset_cfg.split, dataset_cfg.use_cached)
+    if model.vocabulary is None:  # neither checkpoint nor model gin has one: the task's
       model.vocabulary = item.output_features["targets"].vocabulary
     name = name or task
   else:
-    examples = examples_from_file(input_path, vocab,
-                                  need_targets=infer_kwargs.get("mode") == "score")
+    examples = examples_from_file(input_path, model.vocabulary, need_targets=mode == "score")
     name = name or os.path.basename(input_path).split(".")[0]
-  return infer(model=model, params=opened.params, examples=examples, name=name,
-               step=opened.checkpoint.step, partitioner=opened.partitioner,
+  lengths = dict((dataset_cfg.task_feature_lengths if dataset_cfg is not None else None) or {})
+  return infer(model=model, params=opened.params, examples=examples, output_dir=output_dir,
+               name=name, step=opened.checkpoint.step, mode=mode,
+               batch_size=int(dataset_cfg.batch_size) if dataset_cfg is not None else 32,
+               chunk_size=chunk_size, input_length=lengths.get("inputs"),
+               target_length=lengths.get("targets") or 64, strict=strict,
+               decode_options=decode_options, partitioner=opened.partitioner,
                param_shardings=opened.param_shardings, checkpoint=opened.identity(),
-               **infer_kwargs)
+               overwrite=overwrite)
 
 
 def inference_partitioner(partitioner: Partitioner | None = None) -> Partitioner:

@@ -301,7 +301,9 @@ def load(path: str, *, vocabulary=None, partitioner: Partitioner | None = None,
   or a T5X checkpoint.
 
   Args:
-    path: where the checkpoint is (see `t5forge.convert.load_checkpoint`).
+    path: a t5forge checkpoint or MODEL_DIR (its newest intact checkpoint,
+      `convert.paths.resolve`), an HF directory or Hub name, or a T5X checkpoint; a
+      t5forge checkpoint is restored straight onto `partitioner`'s mesh (`opener`).
     vocabulary: the text vocabulary; default the one saved with a t5forge checkpoint or
       the spiece.model / ByT5 tokenizer of an HF directory.
     partitioner: mesh and rules to place the parameters on (`t5forge.sharding.

@@ -130,12 +130,13 @@ def test_convert_and_infer_cli_say_one_line_and_write_nothing(files, tmp_path):
 
 def test_tokenizer_missing_or_larger_than_the_model_is_one_line(files, tmp_path):
   from t5forge import opener  # pylint: disable=import-outside-toplevel
-  from t5forge.infer import infer_checkpoint  # pylint: disable=import-outside-toplevel
+  from t5forge.infer import infer_task  # pylint: disable=import-outside-toplevel
+  from t5forge.train.settings import RestoreCheckpointConfig  # pylint: disable=import-outside-toplevel
   bare = _variant(files, tmp_path, tokenizer=None)
   (tmp_path / "in.txt").write_text("In the beginning\n")
   with pytest.raises(UserError) as e:
-    infer_checkpoint(bare, input_path=str(tmp_path / "in.txt"),
-                     output_dir=str(tmp_path / "out"))
+    infer_task(restore_checkpoint_cfg=RestoreCheckpointConfig(path=bare),
+               input_path=str(tmp_path / "in.txt"), output_dir=str(tmp_path / "out"))
   assert "no vocabulary saved with this hf checkpoint" in _one_line(e)
   assert "pass --vocabulary" in str(e.value)
   # --vocabulary with more ids than the embedding has rows (ids past it would be garbage)
@@ -292,12 +293,14 @@ def test_beam_search_and_chunked_generation_stop_on_end_of_turn(instruct):
 
 
 def test_infer_cuts_at_end_of_turn_and_leaves_it_out_of_the_text(instruct, tmp_path):
-  from t5forge.infer import infer_checkpoint  # pylint: disable=import-outside-toplevel
+  from t5forge.infer import infer_task  # pylint: disable=import-outside-toplevel
+  from t5forge.train.settings import DatasetConfig, RestoreCheckpointConfig  # pylint: disable=import-outside-toplevel
   row, at, want = instruct["row"], instruct["at"], instruct["want"]
   src = tmp_path / "in.txt"
   src.write_text("\n".join(instruct["lines"]) + "\n")
-  result = infer_checkpoint(instruct["dir"], input_path=str(src), output_dir=str(tmp_path),
-                            target_length=STEPS)
+  result = infer_task(restore_checkpoint_cfg=RestoreCheckpointConfig(path=instruct["dir"]),
+                      dataset_cfg=DatasetConfig(None, {"targets": STEPS}, batch_size=32),
+                      input_path=str(src), output_dir=str(tmp_path))
   with open(result.path) as f:
     rows = [json.loads(line) for line in f]
   got = rows[row]
@@ -380,7 +383,7 @@ def test_decode_functions_stop_on_any_of_several_ids_and_t5_stays_one_id():
 def test_serve_stops_on_end_of_turn(instruct):
   """`t5forge serve` on the directory: the completion ends at 107 ("stop"), its text
   without it, the usage counting it; streamed deltas join to the same text."""
-  import serve_helpers as sh  # pylint: disable=import-outside-toplevel
+  from t5forge import testing as sh  # pylint: disable=import-outside-toplevel
   row, at, want = instruct["row"], instruct["at"], instruct["want"]
   vocab = instruct["model"].vocabulary
   srv = sh.Server(instruct["dir"], "--max_batch_size", "1", "--batch_buckets", "1",
@@ -403,7 +406,7 @@ def test_serve_stops_on_end_of_turn(instruct):
 def test_jax_export_stops_on_end_of_turn(instruct, tmp_path):
   """`t5forge export --format jax` of the directory: the manifest lists both stop ids, the
   exported loop ends the row at 107 as the live model does, and its text leaves 107 out."""
-  from t5forge.serve import exported  # pylint: disable=import-outside-toplevel
+  from t5forge.export import loader as exported  # pylint: disable=import-outside-toplevel
   row, at, want, enc = instruct["row"], instruct["at"], instruct["want"], instruct["enc"]
   out = str(tmp_path / "export")
   r = _cli("export", "--checkpoint", instruct["dir"], "--output", out, "--format", "jax",

@@ -70,17 +70,22 @@ def main(argv: list[str]) -> int:
     raise UserError("--use_cached reads a task's SeqIO cache; it needs --task")
 
   from t5forge import infer  # pylint: disable=import-outside-toplevel
+  from t5forge.train.settings import DatasetConfig, RestoreCheckpointConfig  # pylint: disable=import-outside-toplevel
+  lengths = {"targets": args.max_decode_length}
+  if args.max_input_length:
+    lengths["inputs"] = args.max_input_length
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    result = infer.infer_checkpoint(
-        args.checkpoint, input_path=args.input, task=args.task, split=args.split,
-        vocabulary_path=args.vocabulary, module=args.module,
-        use_checkpoint_vocabulary=args.use_checkpoint_vocabulary, use_cached=args.use_cached,
+    result = infer.infer_task(
+        restore_checkpoint_cfg=RestoreCheckpointConfig(path=args.checkpoint, mode="latest"),
+        dataset_cfg=DatasetConfig(args.task, lengths, split=args.split,
+                                  batch_size=args.batch_size, shuffle=False, pack=False,
+                                  module=args.module, use_cached=args.use_cached),
+        input_path=args.input, vocabulary_path=args.vocabulary,
+        use_checkpoint_vocabulary=args.use_checkpoint_vocabulary,
         load_overrides=decode_flags.runtime_overrides(args), output_dir=args.output_dir,
-        name=args.name, mode=args.mode, batch_size=args.batch_size,
-        chunk_size=args.chunk_size, input_length=args.max_input_length,
-        target_length=args.max_decode_length, strict=args.strict, decode_options=opts,
-        overwrite=args.overwrite,
+        name=args.name, mode=args.mode, chunk_size=args.chunk_size, strict=args.strict,
+        decode_options=opts, overwrite=args.overwrite,
         partitioner=decode_flags.partitioner(args, per_process=True))
   for w in caught:
     print(f"warning: {w.message}")
