@@ -104,7 +104,7 @@ def choose(requested: str | None, *, platform: str, flags: frozenset[str],
   return Choice(None, False, "precision: as the run's ModelConfig.dtype binding says")
 
 
-def formachine(requested: str | None = None, *, flag: str = GIN_FLAG,
+def for_machine(requested: str | None = None, *, flag: str = GIN_FLAG,
                 platform: str | None = None, flags: frozenset[str] | None = None) -> Choice:
   """`choose` on this machine, for a command whose dtype is a flag (`t5forge demo --dtype`)."""
   platform, flags = machine(platform, flags)
