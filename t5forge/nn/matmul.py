@@ -17,9 +17,8 @@ transpose of x and one dx product instead of one per kernel.
 The results equal those of `jnp.dot` up to float32 rounding (accumulation order).
 
 bfloat16 operands are multiplied with float32 accumulation and a float32 result
-(`preferred_element_type`), which is also the form XLA:CPU hands to its AMX bf16 kernels:
-on this class of CPU about 1,200-1,600 GFLOP/s against ~250 for a bf16 dot with a bf16
-result and ~300 for float32. The result is then rounded to the requested dtype. The
+(`preferred_element_type`), the only form XLA:CPU hands to its fast bf16 kernels
+(docs/performance.md). The result is then rounded to the requested dtype. The
 kernel may be float32 (the parameter itself): it is rounded to x's dtype inside, and its
 gradient is the float32 product, not rounded to bfloat16 and converted back (one
 conversion pass less per kernel, and a float32 gradient as under torch autocast).
@@ -63,16 +62,14 @@ def _transposed(a: jax.Array) -> jax.Array:
 
   XLA folds a plain transpose into the consuming dot, which then contracts the leading
   axis of its left operand; XLA:CPU has no bf16 kernel for that form and converts both
-  operands to float32 (flan-t5-small's [4096, 512]^T x [4096, 2048]: 54 ms against
-  13 ms for the same product on a transposed copy on the Intel Xeon; 275 against 136 ms
-  on the AMD EPYC Zen 4, busy). Neither an optimization barrier (XLA then copies the
-  transpose but still multiplies in float32) nor an elementwise op, a bitcast or a
-  float32 source in between survives XLA's simplifier, but a product with the identity
-  does: exact (each output is one bf16 value times 1 summed with zeros). It is taken per
-  block of TRANSPOSE_BLOCK columns, eye [b, b] x a [m, c, b] batched over the c = n / b
-  blocks: 2 m n b FLOPs instead of the 2 m n^2 of one [n, n] identity (which cost 36 ms of
-  the example above on the AMD EPYC, the blocks 4-8 ms); XLA lays the blocks out
-  batch-first with a plain copy. In float32 XLA's own handling of the transposed operand
+  operands to float32, several times slower (docs/performance.md). Neither an
+  optimization barrier (XLA then copies the transpose but still multiplies in float32)
+  nor an elementwise op, a bitcast or a float32 source in between survives XLA's
+  simplifier, but a product with the identity does: exact (each output is one bf16 value
+  times 1 summed with zeros). It is taken per block of TRANSPOSE_BLOCK columns,
+  eye [b, b] x a [m, c, b] batched over the c = n / b blocks: 2 m n b FLOPs instead of
+  the 2 m n^2 of one [n, n] identity; XLA lays the blocks out batch-first with a plain
+  copy. In float32 XLA's own handling of the transposed operand
   is as fast as a copy, so the transpose is left to it.
   """
   if a.dtype != jnp.bfloat16:
@@ -129,7 +126,8 @@ def dense(x: jax.Array, kernel: jax.Array | quant.QArray, out_dtype=None) -> jax
 
   The result is in `out_dtype`, by default the accumulation dtype: float32 for bfloat16
   operands (XLA:CPU emulates bfloat16 elementwise arithmetic with a conversion around
-  every operation, so what follows a matmul is cheaper in float32), else x's dtype. An int8 `quant.QArray` kernel takes the int8 path (inference only)."""
+  every operation, so what follows a matmul is cheaper in float32), else x's dtype. An
+  int8 `quant.QArray` kernel takes the int8 path (inference only)."""
   lead = x.shape[:-1]
   out_dtype = jnp.dtype(out_dtype or accumulation_dtype(x.dtype) or x.dtype)
   if isinstance(kernel, quant.QArray):
@@ -139,7 +137,7 @@ def dense(x: jax.Array, kernel: jax.Array | quant.QArray, out_dtype=None) -> jax
     n = x2.shape[0]
     if x2.dtype == jnp.bfloat16 and n < BF16_MIN_ROWS:
       # A bf16 matrix-vector product (greedy batch 1) takes XLA:CPU's slow path; an
-      # 8-row product runs on the fast kernels in half the time of the float32 one.
+      # 8-row product runs on the fast kernels.
       x2 = jnp.pad(x2, ((0, BF16_MIN_ROWS - n), (0, 0)))
     y = _dense2d(x2, kernel, out_dtype)[:n]
   return y.reshape(*lead, kernel.shape[-1])

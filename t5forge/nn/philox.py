@@ -1,9 +1,8 @@
 """Dropout masks from the Philox-2x32-10 counter-based generator, four elements per call.
 
-Why not `jax.random.bernoulli`: on XLA:CPU its threefry bits cost ~13 ns per element
-(170 ms for one flan-t5-small encoder attention mask [8, 6, 512, 512] on an AMD EPYC),
-and the attention masks of a training step hold ~130M elements: about a quarter of the
-whole step. Philox-2x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2,
+Why not `jax.random.bernoulli`: on XLA:CPU its threefry bits are costly per element, and
+a training step's attention masks hold a [b, h, q, k] element per weight, which made
+them a large share of the step (docs/performance.md). Philox-2x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2,
 3", SC'11; the Random123 generator, also behind cuRAND's and PyTorch's GPU dropout) is a
 handful of integer multiplies per call, which XLA fuses and vectorises. The backward pass
 reuses the forward's packed bits (`keep_bits`, an eighth of the mask's bytes; see
@@ -27,9 +26,7 @@ computes every operand once per *output* element, so XLA fusing the calls into t
 four decisions of a call into one uint8 ([..., m, ceil(n / 4)], an eighth of the
 mask's bytes) and ends that array with an integer remainder: XLA:CPU does not fuse an
 expensive op (a remainder is one) into a consumer that reads each of its elements
-several times, so the packed bits are computed once and written out. Measured on the
-[8, 6, 512, 512] bf16 dropout (AMD EPYC Zen 4, load 4-6): 99 ms with one call per
-element, 31 ms packed, 106 ms with the same four-per-call code left to fusion.
+several times, so the packed bits are computed once and written out.
 """
 from __future__ import annotations
 
@@ -120,10 +117,8 @@ def keep_bits(seed: jax.Array, shape: tuple[int, ...], rate: float) -> jax.Array
   # ([b, .., 1, 1]) as uint32 iotas of those shapes, which broadcast against each other
   # in the first Philox round (no [prod(calls)] reshape, which XLA would copy). Not
   # full-shape iotas: inside a scan over layers, XLA hoists every loop-invariant
-  # expression out of the loop, and the first round's products of the full-shape
-  # index became three [b, h, q, k] uint32 arrays that every layer's mask fusion
-  # read from memory (3 x 50 MB per flan-t5-small encoder mask); at these shapes
-  # what is hoisted is 1 MB.
+  # expression out of the loop, and the first round's products of a full-shape index
+  # would become [b, h, q, k] uint32 arrays that every layer's mask fusion reads back.
   ndim = len(calls)
 
   def flat_index(axes: range) -> jax.Array:
