@@ -141,6 +141,21 @@ def causal_mask(length: int, bidirectional_prefix: jax.Array | None = None) -> j
   return mask
 
 
+def cached_causal_mask(query_pos: jax.Array, max_length: int) -> jax.Array:
+  """[1, 1, q, max_length] causal mask of queries at int positions query_pos [q] over a
+  decoding cache of max_length positions."""
+  return (jnp.arange(max_length)[None, :] <= query_pos[:, None])[None, None]
+
+
+def window_mask(query_pos: jax.Array, key_pos: jax.Array, window: int,
+                causal: bool) -> jax.Array:
+  """[q], [k] int positions -> [1, 1, q, k] bool: keys within the sliding window,
+  0 <= i - j < window when causal, |i - j| <= window otherwise (transformers' T5Gemma)."""
+  delta = query_pos[:, None] - key_pos[None, :]
+  inside = (delta >= 0) & (delta < window) if causal else jnp.abs(delta) <= window
+  return inside[None, None]
+
+
 def combine_masks(*masks: jax.Array | None) -> jax.Array | None:
   out = None
   for m in masks:
@@ -225,7 +240,7 @@ class MultiHeadAttention(nn.Module):
         width, (ax.EMBED, axis), kernel_init=init, name=name)(x.shape[-1])
     heads = lambda y, x, num, axis: nn.with_logical_constraint(  # noqa: E731
         y.astype(self.dtype).reshape(*x.shape[:-1], num, d),
-        (ax.BATCH, ax.LENGTH, _head_axis(axis, num), ax.ACT_KV))
+        (ax.BATCH, ax.LENGTH, head_axis(axis, num), ax.ACT_KV))
     kv_kernels = lambda x: [kernel(name, kernel_init, x, n * d, kv_axis)  # noqa: E731
                             for name in ("key", "value")]
 
@@ -256,23 +271,14 @@ class MultiHeadAttention(nn.Module):
         k = self.get_variable("cache", "cached_key")
         v = self.get_variable("cache", "cached_value")
       else:
-        k, v = map(_head_major, project_kv(inputs_kv))
+        k, v = map(head_major, project_kv(inputs_kv))
         self.put_variable("cache", "cached_key", k)
         self.put_variable("cache", "cached_value", v)
     elif decode == "self":
-      initialized = self.has_variable("cache", "cached_key")
-      b = inputs_q.shape[0]
       k_new, v_new = project_kv(inputs_kv)  # [b, q, n, d]
       if self.rope_theta is not None:
         k_new = apply_rope(k_new, positions, self.rope_theta)
-      k_new, v_new = _head_major(k_new), _head_major(v_new)  # [b, n, q, d]
-      ck = self.variable("cache", "cached_key", jnp.zeros, (b, n, max_length, d), k_new.dtype)
-      cv = self.variable("cache", "cached_value", jnp.zeros, (b, n, max_length, d), v_new.dtype)
-      if initialized:  # a real step (not the call that creates the cache): write in place
-        zero = jnp.zeros((), jnp.int32)
-        ck.value = jax.lax.dynamic_update_slice(ck.value, k_new, (zero, zero, cache_index, zero))
-        cv.value = jax.lax.dynamic_update_slice(cv.value, v_new, (zero, zero, cache_index, zero))
-      k, v = ck.value, cv.value  # [b, n, max_length, d]
+      k, v = write_cache(self, head_major(k_new), head_major(v_new), cache_index, max_length)
     elif not fused_qkv:
       k, v = project_kv(inputs_kv)
 
@@ -297,7 +303,7 @@ class MultiHeadAttention(nn.Module):
                  kernel_init=kernel_init, name="out")(out)
 
 
-def _head_axis(axis: str, num_heads: int) -> str | None:
+def head_axis(axis: str, num_heads: int) -> str | None:
   """The logical axis to constrain a [.., num_heads, head_dim] activation's head dimension
   with: `axis` where the mesh axes the rules map it to divide num_heads, else None.
 
@@ -402,9 +408,8 @@ def _weighted_sum(w: jax.Array, x: jax.Array) -> jax.Array:
   product with the [b, h, q, k] array as the left operand (contracting its last axis)
   and a [b, h, q, d] result, from a head-major copy of x. From the einsum it chose the
   transposed product x^T w^T, [b, h, d, k] x [b, h, q, k] -> [b, h, d, q], which
-  YNNPACK runs ~1.3x slower (flan-t5-small's [8, 6, 512, 512] x [8, 6, 512, 64], AMD
-  EPYC Zen 4: 7.6 against 5.6 ms at batch 4). Used for the attention output and the
-  query gradient, in every dtype.
+  YNNPACK runs slower. Used for the attention output and the query gradient, in every
+  dtype.
   """
   out = lax.dot_general(w, x, (((3,), (1,)), ((0, 1), (0, 2))),
                         preferred_element_type=matmul.accumulation_dtype(w.dtype))
@@ -419,9 +424,35 @@ def _logit_operands(q: jax.Array, k: jax.Array, float32_logits: bool):
   return q, k
 
 
-def _head_major(x: jax.Array) -> jax.Array:
+def head_major(x: jax.Array) -> jax.Array:
   """[b, k, h, d] -> [b, h, k, d], the layout of the decoding caches."""
   return jnp.swapaxes(x, 1, 2)
+
+
+def write_cache(module: nn.Module, k_new: jax.Array, v_new: jax.Array,
+                cache_index: jax.Array, max_length: int) -> tuple[jax.Array, jax.Array]:
+  """Writes a decoding step's keys and values into `module`'s self-attention cache.
+
+  Call from `module`'s compact method. The call that creates the cache (its variables
+  do not exist yet) writes nothing: it only gives the cache its shape.
+
+  Args:
+    k_new, v_new: [b, n, q, d], head-major (see `cached_attention`).
+    cache_index: position of the first of the q new keys.
+    max_length: the cache's length.
+
+  Returns:
+    The cache's keys and values [b, n, max_length, d], the new ones included.
+  """
+  initialized = module.has_variable("cache", "cached_key")
+  b, n, _, d = k_new.shape
+  ck = module.variable("cache", "cached_key", jnp.zeros, (b, n, max_length, d), k_new.dtype)
+  cv = module.variable("cache", "cached_value", jnp.zeros, (b, n, max_length, d), v_new.dtype)
+  if initialized:  # a real step: write in place
+    zero = jnp.zeros((), jnp.int32)
+    ck.value = jax.lax.dynamic_update_slice(ck.value, k_new, (zero, zero, cache_index, zero))
+    cv.value = jax.lax.dynamic_update_slice(cv.value, v_new, (zero, zero, cache_index, zero))
+  return ck.value, cv.value
 
 
 def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None,
@@ -430,8 +461,7 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array |
 
   The caches are [b, h, k, d] rather than the [b, k, h, d] of teacher forcing: the dots
   batch over (b, h), and with that layout XLA reads the cache in place. With [b, k, h, d]
-  it copied every layer's whole cache into a transposed layout on every decoding step
-  (measured: over a third of a flan-t5-small greedy step at batch 16).
+  it copied every layer's whole cache into a transposed layout on every decoding step.
 
   Args:
     q: [b, q, h, d]; k, v: [b, h, k, d]; bias, mask_bias: broadcastable to [b, h, q, k].
@@ -495,8 +525,8 @@ def _attention_fwd(q, k, v, bias, mask_bias, seed, dropout_rate):
   out = _weighted_sum(weights, v).astype(v.dtype)  # [b, q, h, d]
   # Kept as they are by a scanned stack, not recomputed in its backward loop (stack.keep).
   # The packed dropout bits too (an eighth of the mask's bytes, uint8): regenerating
-  # them in a scan's backward loop reran the Philox calls (0.21 s of a 6.9 s flan-t5-small
-  # bf16 step), which in a layer loop XLA merges with the forward's.
+  # them in a scan's backward loop would rerun the Philox calls, which in a layer loop
+  # XLA merges with the forward's.
   q, k, v, probs, kept_out = stack.keep(q, k, v, probs, out)
   if bits is not None:
     bits, = stack.keep(bits)

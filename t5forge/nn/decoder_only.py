@@ -13,10 +13,11 @@ import jax
 import jax.numpy as jnp
 
 from t5forge.nn import attention as attn
+from t5forge.nn.blocks import decoder_head, embed, mlp_residual, norm, residual, t5_attention
 from t5forge.nn.config import ModelConfig
 from t5forge.nn.layers import Embed
 from t5forge.nn.stack import layer_stack
-from t5forge.nn.t5 import ACT, _attention, _dropout, _mlp, _norm, output_logits
+from t5forge.nn.t5 import relative_position_bias
 
 
 class DecoderOnlyLayer(nn.Module):
@@ -31,12 +32,11 @@ class DecoderOnlyLayer(nn.Module):
     # x: [b, l, e]; position_bias: [1, h, l, l]; mask_bias: [b or 1, 1, l, l]
     # (keys span max_length cache positions when decoding)
     cfg = self.config
-    y = _norm(cfg, "pre_self_attention_layer_norm")(x)
-    y = _attention(cfg, "self_attention")(y, y, position_bias, mask_bias, deterministic,
-                                          "self" if decode else None, cache_index, max_length)
-    x = nn.with_logical_constraint(x + _dropout(cfg, y, deterministic), ACT)
-    y = _mlp(cfg)(_norm(cfg, "pre_mlp_layer_norm")(x), deterministic)
-    x = nn.with_logical_constraint(x + _dropout(cfg, y, deterministic), ACT)
+    y = norm(cfg, "pre_self_attention_layer_norm")(x)
+    y = t5_attention(cfg, "self_attention")(y, y, position_bias, mask_bias, deterministic,
+                                            "self" if decode else None, cache_index, max_length)
+    x = residual(cfg, x, y, deterministic)
+    x = mlp_residual(cfg, x, deterministic)
     return (x, None) if self.scanned else x
 
 
@@ -50,12 +50,8 @@ class _Decoder(nn.Module):
     length = tokens.shape[-1]
     embedder = Embed(num_embeddings=cfg.vocab_size, features=cfg.emb_dim,
                      dtype=cfg.activation_dtype, name="token_embedder")
-    x = _dropout(cfg, embedder(tokens), deterministic)
-    x = nn.with_logical_constraint(x.astype(jnp.float32), ACT)  # float32 residual stream
-    relpos = attn.RelativePositionBias(
-        num_buckets=cfg.relative_attention_num_buckets,
-        max_distance=cfg.relative_attention_max_distance, num_heads=cfg.num_heads,
-        bidirectional=False, name="relpos_bias")
+    x = embed(cfg, embedder, tokens, deterministic)
+    relpos = relative_position_bias(cfg, bidirectional=False)
     cache_index = None
     if decode:
       mask, position_bias, cache_index = self._decode_mask(relpos, tokens, causal_attention,
@@ -66,13 +62,13 @@ class _Decoder(nn.Module):
       if segment_ids is not None:
         mask = attn.combine_masks(mask, attn.segment_mask(segment_ids, segment_ids))
     x = layer_stack(DecoderOnlyLayer, num_layers=cfg.num_decoder_layers, scan=cfg.scan_layers,
-                    remat_policy=cfg.remat_policy, static_argnums=(3, 4, 6),
-                    layer_kwargs=dict(config=cfg), x=x, decode=decode,
-                    args=(position_bias, attn.mask_to_bias(mask, cfg.activation_dtype),
-                          deterministic, decode, cache_index, max_decode_length))
-    x = _dropout(cfg, _norm(cfg, "decoder_norm")(x), deterministic)
-    return output_logits(cfg, x, embedder)
-
+                    remat_policy=cfg.remat_policy, layer_kwargs=dict(config=cfg), x=x,
+                    args=dict(position_bias=position_bias,
+                              mask_bias=attn.mask_to_bias(mask, cfg.activation_dtype),
+                              cache_index=cache_index),
+                    static=dict(deterministic=deterministic, decode=decode,
+                                max_length=max_decode_length))
+    return decoder_head(cfg, x, embedder, deterministic)
 
   def _decode_mask(self, relpos, tokens, causal_attention, valid, max_len):
     """Masks for cached decoding over max_len positions.
@@ -94,8 +90,7 @@ class _Decoder(nn.Module):
       key_valid.value = jax.lax.dynamic_update_slice(key_valid.value, valid,
                                                      (jnp.zeros((), jnp.int32), pos))
       index.value = pos + length
-    query_pos = pos + jnp.arange(length)
-    mask = (jnp.arange(max_len)[None, :] <= query_pos[:, None])[None, None]  # [1, 1, l, L]
+    mask = attn.cached_causal_mask(pos + jnp.arange(length), max_len)  # [1, 1, l, L]
     mask = mask & key_valid.value[:, None, None, :]
     if causal_attention is not None:
       prefix = causal_attention.astype(bool) & valid  # [b, l]

@@ -8,11 +8,13 @@ named 'layers' (parameter path `layers/...`); `stack_layers` / `unstack_layers` 
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from t5forge import sharding as ax
@@ -24,21 +26,10 @@ REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
 }
 
-# What a scanned stack keeps for the backward pass under remat_policy 'none'. A loop of
-# layers is one XLA computation, where XLA fuses the cheap elementwise and layout work
-# (norms, activations, dropout, casts, reshapes) into the backward pass's consumers. A
-# scan hands every such intermediate from the forward loop to the backward loop as a
-# stacked array (zero-filled, written per layer by dynamic-update-slice and read back):
-# flan-t5-small's scanned encoder carried 2.0 GiB of them in bf16 (seven float32
-# [layers, b, i, f] arrays from the gated-GELU MLP alone). Saving only what is expensive
-# to recompute (matmuls, the hand-written projections and attention, reductions, random
-# bits) and recomputing the rest inside the backward loop, where XLA fuses it again,
-# carries 1.1 GiB (docs/performance.md, "Scan over layers").
-# The transcendental activations (tanh of the gated-GELU MLP, logistic of SiLU, erf of
-# the exact GELU) are kept too. Recomputing the tanh over flan-t5-small's float32
-# [b, l, f] MLP input in the backward loop made the MLP's gradient fusion take 0.87 s of
-# a bf16 step's op time, 0.41 s with the tanh kept (the layer loop's: 0.37 s; AMD EPYC);
-# the kept tanh is one more float32 [layers, b, l, f] stack (+0.16 GiB there).
+# What a scanned stack keeps for the backward pass under remat_policy 'none': what is
+# expensive to recompute (matmuls, custom VJPs, reductions, random bits, transcendental
+# activations), because a scan would otherwise carry every cheap intermediate that a loop
+# of layers fuses away as a stacked array (docs/performance.md, "Scan over layers").
 _SCAN_SAVED = frozenset({
     "dot_general", "custom_vjp_call", "custom_vjp_call_jaxpr", "conv_general_dilated",
     "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin", "cumsum",
@@ -85,30 +76,33 @@ def scan_saveable(prim, *_, **params) -> bool:
 
 
 def layer_stack(layer_cls: type[nn.Module], *, num_layers: int, scan: bool, remat_policy: str,
-                static_argnums: tuple[int, ...], layer_kwargs: dict[str, Any], x: jax.Array,
-                args: tuple, decode: bool = False,
-                layer_flags: tuple[bool, ...] | None = None) -> jax.Array:
+                layer_kwargs: dict[str, Any], x: jax.Array, args: dict[str, Any],
+                static: dict[str, Any], layer_flags: tuple[bool, ...] | None = None) -> jax.Array:
   """Applies `num_layers` layers of `layer_cls` to x; call from a compact method.
 
   Args:
-    layer_cls: a module whose `__call__(x, *args)` returns x (or (x, None) if scanned).
-    static_argnums: indices (after self) of the Python-valued arguments (e.g.
-      `deterministic`), which remat must treat as static.
+    layer_cls: a module whose `__call__(x, [flag,] ...)` returns x (or (x, None) if
+      scanned).
     layer_kwargs: constructor arguments of each layer (besides `name` and `scanned`).
-    x: the carried activations [b, l, e]; args: arguments broadcast to every layer.
-    decode: decoding with a cache: no remat (nothing is differentiated), and scanned
-      caches are stacked on axis 1 so that axis 0 stays the batch (decoders expand and
-      reorder caches along axis 0 for beams).
+    x: the carried activations [b, l, e].
+    args: arguments broadcast to every layer, by the names of its `__call__`.
+    static: the Python-valued arguments (e.g. `deterministic`, `decode`, `max_length`),
+      by name: remat and scan treat them as static. `decode=True` means decoding with a
+      cache: no remat (nothing is differentiated), and scanned caches are stacked on
+      axis 1 so that axis 0 stays the batch (decoders expand and reorder caches along
+      axis 0 for beams).
     layer_flags: one bool per layer (e.g. "uses the sliding window"), passed to layer i
       right after x: a Python bool in the loop, a traced bool scalar under scan (one
-      compiled layer serves both kinds). static_argnums still count x as 0 and args
-      from 1, without the flag.
+      compiled layer serves both kinds).
   """
-  block = layer_cls
   flagged = layer_flags is not None
   if flagged:
     assert len(layer_flags) == num_layers, (layer_flags, num_layers)
-    static_argnums = tuple(i + 1 for i in static_argnums) + (() if scan else (1,))
+  values, static_argnums = _positional(layer_cls, 1 + flagged, args, static)
+  if flagged and not scan:
+    static_argnums = (1,) + static_argnums  # the flag: a Python bool in the loop
+  decode = bool(static.get("decode", False))
+  block = layer_cls
   policy = REMAT_POLICIES[remat_policy]
   if scan and remat_policy == "none":
     policy = scan_saveable  # no remat of what a loop would keep either (see above)
@@ -118,21 +112,47 @@ def layer_stack(layer_cls: type[nn.Module], *, num_layers: int, scan: bool, rema
                      static_argnums=tuple(i + 1 for i in static_argnums))
   if scan:
     if flagged:
-      args = (jnp.asarray(layer_flags, bool),) + tuple(args)
+      values = (jnp.asarray(layer_flags, bool),) + values
     scanned = nn.scan(
         block,
         variable_axes={"params": 0, "cache": 1},
         split_rngs={"params": True, "dropout": True},
-        in_axes=(0,) * flagged + (nn.broadcast,) * (len(args) - flagged),
+        in_axes=(0,) * flagged + (nn.broadcast,) * (len(values) - flagged),
         length=num_layers,
         metadata_params={nn.PARTITION_NAME: ax.LAYERS},
     )
-    x, _ = scanned(**layer_kwargs, scanned=True, name="layers")(x, *args)
+    x, _ = scanned(**layer_kwargs, scanned=True, name="layers")(x, *values)
     return x
   for i in range(num_layers):
     flag = (bool(layer_flags[i]),) if flagged else ()
-    x = block(**layer_kwargs, scanned=False, name=f"layers_{i}")(x, *flag, *args)
+    x = block(**layer_kwargs, scanned=False, name=f"layers_{i}")(x, *flag, *values)
   return x
+
+
+def _positional(layer_cls: type[nn.Module], skip: int, args: dict[str, Any],
+                static: dict[str, Any]) -> tuple[tuple, tuple[int, ...]]:
+  """The named arguments of a layer call as the positional ones that remat and scan take.
+
+  Returns (values in the order of `layer_cls.__call__`'s parameters after the first
+  `skip` (x and the flag), up to the last one named; the indices of the static ones,
+  counting x as 0). A parameter left out in between takes its default, as static.
+  """
+  assert not set(args) & set(static), sorted(set(args) & set(static))
+  params = list(inspect.signature(layer_cls.__call__).parameters.values())[1 + skip:]
+  names = [p.name for p in params]
+  unknown = sorted((set(args) | set(static)) - set(names))
+  assert not unknown, f"{layer_cls.__name__} takes no argument(s) {unknown}"
+  given = [i for i, name in enumerate(names) if name in args or name in static]
+  values, static_argnums = [], []
+  for i, p in enumerate(params[:given[-1] + 1] if given else ()):
+    if p.name in args:
+      values.append(args[p.name])
+      continue
+    if p.name not in static:
+      assert p.default is not inspect.Parameter.empty, f"{layer_cls.__name__} needs {p.name}"
+    values.append(static.get(p.name, p.default))
+    static_argnums.append(skip + i)
+  return tuple(values), tuple(static_argnums)
 
 
 def _layer_index(key: str) -> int | None:
@@ -148,7 +168,6 @@ def stack_layers(tree: dict, stack=None) -> dict:
     tree: nested dict of arrays (parameters, or any tree shaped like them).
     stack: how to combine the n leaves; default `np.stack` on a new leading axis.
   """
-  import numpy as np
   stack = stack or (lambda leaves: np.stack(leaves, axis=0))
   if not isinstance(tree, dict):
     return tree

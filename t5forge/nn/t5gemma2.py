@@ -3,7 +3,8 @@
 Selected by `ModelConfig(architecture='t5gemma2')`; the T5Gemma fields (grouped-query
 heads, query_pre_attn_scalar, sliding_window, soft-caps, ...) mean what they mean for
 `t5forge.nn.t5gemma`, and the sandwich norms, gated tanh-GELU MLP, sqrt(width)
-embedding scale and the decoder's start token are that module's. What differs:
+embedding scale (`t5forge.nn.blocks`) and the decoder's start token are T5Gemma's. The
+shell (`encode`, `decode`, `__call__`) is `encdec.EncoderDecoderShell`. What differs:
 
 - per-head RMS norms of queries and keys (`query_norm`, `key_norm`, (1 + w) scale over
   head_dim) before RoPE;
@@ -34,24 +35,19 @@ v vocab, h heads, n key/value heads, d head_dim.
 """
 from __future__ import annotations
 
-import math
-
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 from t5forge import sharding as ax
 from t5forge.nn import attention as attn
 from t5forge.nn import matmul
+from t5forge.nn.blocks import (EMBED_INIT, decoder_head, embed, final_norm, gemma_norm,
+                               mlp_residual, pick, residual)
 from t5forge.nn.config import ModelConfig
+from t5forge.nn.encdec import EncoderDecoderShell, decoder_masks, encoder_mask
 from t5forge.nn.layers import Dense, Embed, Kernel, RMSNorm, param_with_axes
 from t5forge.nn.stack import layer_stack
-from t5forge.nn.t5 import ACT, _dropout, _mlp
-from t5forge.nn.t5gemma import _norm, _pick, decoder_head, decoder_masks
-
-# transformers initialises Gemma embeddings N(0, 0.02) (`initializer_range`); with the
-# tied, unscaled output layer T5's N(0, 1) would start from logits of variance emb_dim.
-EMBED_INIT = nn.initializers.normal(stddev=0.02)
+from t5forge.nn.t5gemma import start_tokens
 
 
 def _encoder_window_mask(length: int, window: int):
@@ -105,10 +101,10 @@ class Gemma3Attention(nn.Module):
                        axis=ax.KV, name="key_norm")
 
     def heads(y, num, axis):  # [b, l, num * d] -> [b, l, num, d]
-      # (Few kv heads on a wider model axis stay replicated: see attention._head_axis.)
+      # (Few kv heads on a wider model axis stay replicated: see attention.head_axis.)
       return nn.with_logical_constraint(
           y.astype(dtype).reshape(*y.shape[:-1], num, d),
-          (ax.BATCH, ax.LENGTH, attn._head_axis(axis, num), ax.ACT_KV))  # pylint: disable=protected-access
+          (ax.BATCH, ax.LENGTH, attn.head_axis(axis, num), ax.ACT_KV))
 
     q, k, v = matmul.dense_multi(x.astype(dtype), [kq, kk, kv])
     q, k, v = heads(q, h, ax.ACT_HEADS), heads(k, n, ax.KV_HEADS), heads(v, n, ax.KV_HEADS)
@@ -123,19 +119,10 @@ class Gemma3Attention(nn.Module):
       ek, ev = matmul.dense_multi(enc.astype(dtype), [kk, kv])
       return key_norm(heads(ek, n, ax.KV_HEADS)), heads(ev, n, ax.KV_HEADS)
 
-    head_major = attn._head_major  # pylint: disable=protected-access
+    head_major = attn.head_major
 
-    if decode:
-      initialized = self.has_variable("cache", "cached_key")
-      b = x.shape[0]
-      k_new, v_new = head_major(k), head_major(v)  # the cache layout, [b, n, t, d]
-      ck = self.variable("cache", "cached_key", jnp.zeros, (b, n, max_length, d), k_new.dtype)
-      cv = self.variable("cache", "cached_value", jnp.zeros, (b, n, max_length, d), v_new.dtype)
-      if initialized:  # a real step (not the call that creates the cache): write in place
-        zero = jnp.zeros((), jnp.int32)
-        ck.value = jax.lax.dynamic_update_slice(ck.value, k_new, (zero, zero, cache_index, zero))
-        cv.value = jax.lax.dynamic_update_slice(cv.value, v_new, (zero, zero, cache_index, zero))
-      k, v = ck.value, cv.value  # [b, n, max_length, d]
+    if decode:  # the cache layout: [b, n, max_length, d]
+      k, v = attn.write_cache(self, head_major(k), head_major(v), cache_index, max_length)
       if merged:
         if not self.has_variable("cache", "cross_key"):
           ek, ev = project_encoder(encoded)
@@ -171,27 +158,15 @@ class Layer(nn.Module):
     # x: [b, l, e]; sliding: bool (traced under scan); *_bias: [b, 1, l, keys]
     cfg = self.config
     local_theta = cfg.rope_local_theta or cfg.rope_theta
-    theta = _pick(sliding, local_theta, cfg.rope_theta)
-    rope_factor = _pick(sliding, 1.0, cfg.rope_scaling_factor or 1.0)
-    y = _norm(cfg, "pre_self_attention_layer_norm")(x)
+    theta = pick(sliding, local_theta, cfg.rope_theta)
+    rope_factor = pick(sliding, 1.0, cfg.rope_scaling_factor or 1.0)
+    y = gemma_norm(cfg, "pre_self_attention_layer_norm")(x)
     y = Gemma3Attention(cfg, name="merged_attention" if self.merged else "attention")(
-        y, encoded, theta, _pick(sliding, local_bias, global_bias), deterministic, decode,
+        y, encoded, theta, pick(sliding, local_bias, global_bias), deterministic, decode,
         cache_index, max_length, positions, self.merged, rope_factor)
-    y = _norm(cfg, "post_self_attention_layer_norm")(y)
-    x = nn.with_logical_constraint(x + _dropout(cfg, y, deterministic), ACT)
-    y = _mlp(cfg)(_norm(cfg, "pre_mlp_layer_norm")(x), deterministic)
-    y = _norm(cfg, "post_mlp_layer_norm")(y)
-    x = nn.with_logical_constraint(x + _dropout(cfg, y, deterministic), ACT)
+    x = residual(cfg, x, gemma_norm(cfg, "post_self_attention_layer_norm")(y), deterministic)
+    x = mlp_residual(cfg, x, deterministic, sandwich=True)
     return (x, None) if self.scanned else x
-
-
-def _embed(cfg: ModelConfig, embedder: Embed, eoi, tokens, deterministic: bool):
-  """tokens [b, l] -> float32 [b, l, e]: rows * sqrt(e), the eoi token's the `eoi` vector."""
-  x = embedder(tokens) * jnp.float32(math.sqrt(cfg.emb_dim))
-  if eoi is not None:
-    x = jnp.where((tokens == cfg.eoi_token_id)[..., None], eoi.astype(jnp.float32), x)
-  x = _dropout(cfg, x, deterministic)
-  return nn.with_logical_constraint(x.astype(jnp.float32), ACT)
 
 
 def _broadcast_concat(self_mask, cross_mask, shape):
@@ -207,28 +182,27 @@ class Encoder(nn.Module):
   embedder: Embed
 
   @nn.compact
-  def __call__(self, tokens, segment_ids, positions, eoi, deterministic: bool):
-    """tokens [b, i] (0 = padding), segment_ids / positions [b, i] or None -> [b, i, e]."""
+  def __call__(self, *, tokens, segment_ids, positions, eoi, deterministic: bool):
+    """tokens [b, i] (0 = padding), segment_ids / positions [b, i] or None -> [b, i, e];
+    eoi [e]: the input vector of eoi_token_id, or None."""
     cfg = self.config
     enc = cfg.encoder
     length = tokens.shape[-1]
-    x = _embed(enc, self.embedder, eoi, tokens, deterministic)
-    mask = attn.padding_mask(None, tokens > 0)  # padded queries still attend (as HF)
-    if segment_ids is not None:
-      mask = attn.combine_masks(mask, attn.segment_mask(segment_ids, segment_ids))
+    x = embed(enc, self.embedder, tokens, deterministic, scaled=True, eoi=eoi)
+    mask = encoder_mask(tokens, segment_ids)
     local = (None if cfg.sliding_window is None
              else attn.combine_masks(mask, _encoder_window_mask(length, cfg.sliding_window)))
     if positions is None:
       positions = jnp.arange(length)
     dtype = cfg.activation_dtype
     x = layer_stack(Layer, num_layers=cfg.num_encoder_layers, scan=cfg.scan_layers,
-                    remat_policy=cfg.remat_policy, static_argnums=(5,),
-                    layer_kwargs=dict(config=enc), x=x,
+                    remat_policy=cfg.remat_policy, layer_kwargs=dict(config=enc), x=x,
                     layer_flags=cfg.sliding_layers(cfg.num_encoder_layers),
-                    args=(None, positions, attn.mask_to_bias(mask, dtype),
-                          attn.mask_to_bias(local, dtype), deterministic))
-    x = _norm(enc, "encoder_norm")(x)
-    return _dropout(cfg, x, deterministic)
+                    args=dict(encoded=None, positions=positions,
+                              global_bias=attn.mask_to_bias(mask, dtype),
+                              local_bias=attn.mask_to_bias(local, dtype)),
+                    static=dict(deterministic=deterministic))
+    return final_norm(cfg, x, deterministic, name="encoder_norm", sandwich=True)
 
 
 class Decoder(nn.Module):
@@ -236,38 +210,39 @@ class Decoder(nn.Module):
   embedder: Embed
 
   @nn.compact
-  def __call__(self, encoded, encoder_tokens, decoder_input_tokens, encoder_segment_ids,
+  def __call__(self, *, encoded, encoder_tokens, decoder_input_tokens, encoder_segment_ids,
                decoder_segment_ids, decoder_positions, eoi, deterministic: bool,
                decode: bool = False, max_decode_length: int | None = None):
-    """-> float32 logits [b, t, v]; arguments as t5gemma.Decoder's."""
+    """-> float32 logits [b, t, v]; arguments as t5gemma.Decoder's, plus eoi (see
+    `Encoder`)."""
     cfg = self.config
     b, length = decoder_input_tokens.shape
     dtype = cfg.activation_dtype
-    positions, self_mask, local, cross_mask, starts, cache_index = decoder_masks(
-        self, cfg, encoder_tokens, decoder_input_tokens, encoder_segment_ids,
-        decoder_segment_ids, decoder_positions, decode, max_decode_length)
-    merged = _broadcast_concat(self_mask, cross_mask, (b, length))
-    merged_local = None if local is None else _broadcast_concat(local, cross_mask, (b, length))
-    tokens = decoder_input_tokens
-    if cfg.decoder_start_token_id:
-      # SeqIO's decoder inputs begin each segment with 0; T5Gemma's decoder starts from BOS.
-      tokens = jnp.where(starts & (tokens == 0), cfg.decoder_start_token_id, tokens)
-    y = _embed(cfg, self.embedder, eoi, tokens, deterministic)
+    masks = decoder_masks(self, encoder_tokens, decoder_input_tokens, encoder_segment_ids,
+                          decoder_segment_ids, decode=decode,
+                          max_decode_length=max_decode_length,
+                          decoder_positions=decoder_positions,
+                          sliding_window=cfg.sliding_window)
+    merged = _broadcast_concat(masks.self_mask, masks.cross_mask, (b, length))
+    merged_local = (None if masks.local is None
+                    else _broadcast_concat(masks.local, masks.cross_mask, (b, length)))
+    tokens = start_tokens(cfg, decoder_input_tokens, masks.starts)
+    y = embed(cfg, self.embedder, tokens, deterministic, scaled=True, eoi=eoi)
     y = layer_stack(Layer, num_layers=cfg.num_decoder_layers, scan=cfg.scan_layers,
-                    remat_policy=cfg.remat_policy, static_argnums=(5, 6, 8),
-                    layer_kwargs=dict(config=cfg, merged=True), x=y, decode=decode,
-                    layer_flags=cfg.sliding_layers(cfg.num_decoder_layers),
-                    args=(encoded, positions, attn.mask_to_bias(merged, dtype),
-                          attn.mask_to_bias(merged_local, dtype), deterministic, decode,
-                          cache_index, max_decode_length))
-    return decoder_head(cfg, y, self.embedder, deterministic)
+                    remat_policy=cfg.remat_policy, layer_kwargs=dict(config=cfg, merged=True),
+                    x=y, layer_flags=cfg.sliding_layers(cfg.num_decoder_layers),
+                    args=dict(encoded=encoded, positions=masks.positions,
+                              global_bias=attn.mask_to_bias(merged, dtype),
+                              local_bias=attn.mask_to_bias(merged_local, dtype),
+                              cache_index=masks.cache_index),
+                    static=dict(deterministic=deterministic, decode=decode,
+                                max_length=max_decode_length))
+    return decoder_head(cfg, y, self.embedder, deterministic, sandwich=True)
 
 
-class T5Gemma2EncoderDecoder(nn.Module):
-  """The T5Gemma 2 text network, with `EncoderDecoder`'s methods (`encode`, `decode`,
-  `__call__`), so `t5forge.models.EncoderDecoderModel` trains, scores and decodes it."""
-
-  config: ModelConfig
+class T5Gemma2EncoderDecoder(EncoderDecoderShell):
+  """The T5Gemma 2 text network (`EncoderDecoderShell`): one embedding for both stacks
+  and the output layer; decoding caches the decoder's and the encoder's keys/values."""
 
   def setup(self):
     cfg = self.config
@@ -278,29 +253,5 @@ class T5Gemma2EncoderDecoder(nn.Module):
     self.encoder = Encoder(config=cfg, embedder=self.token_embedder)
     self.decoder = Decoder(config=cfg, embedder=self.token_embedder)
 
-  def encode(self, encoder_input_tokens, encoder_segment_ids=None, *,
-             enable_dropout: bool = False, encoder_positions=None):
-    """[b, i] int -> [b, i, e]."""
-    return self.encoder(encoder_input_tokens, encoder_segment_ids, encoder_positions,
-                        self.eoi_embedding, not enable_dropout)
-
-  def decode(self, encoded, encoder_input_tokens, decoder_input_tokens,
-             encoder_segment_ids=None, decoder_segment_ids=None, *,
-             enable_dropout: bool = False, decode: bool = False,
-             max_decode_length: int | None = None, decoder_positions=None):
-    """[b, i, e], [b, i], [b, t] -> logits [b, t, v]; with decode=True, one step of
-    cached decoding (the cache holds the decoder's and the encoder's keys/values)."""
-    return self.decoder(encoded, encoder_input_tokens, decoder_input_tokens,
-                        encoder_segment_ids, decoder_segment_ids, decoder_positions,
-                        self.eoi_embedding, not enable_dropout, decode, max_decode_length)
-
-  def __call__(self, encoder_input_tokens, decoder_input_tokens, decoder_target_tokens=None,
-               encoder_segment_ids=None, decoder_segment_ids=None, encoder_positions=None,
-               decoder_positions=None, *, enable_dropout: bool = False):
-    """Teacher forcing: [b, i], [b, t] -> logits [b, t, v] (float32)."""
-    del decoder_target_tokens
-    encoded = self.encode(encoder_input_tokens, encoder_segment_ids,
-                          enable_dropout=enable_dropout, encoder_positions=encoder_positions)
-    return self.decode(encoded, encoder_input_tokens, decoder_input_tokens,
-                       encoder_segment_ids, decoder_segment_ids, enable_dropout=enable_dropout,
-                       decoder_positions=decoder_positions)
+  def shared_inputs(self) -> dict:
+    return {"eoi": self.eoi_embedding}
