@@ -152,8 +152,7 @@ def load_checkpoint(path: str, **overrides) -> LoadedCheckpoint:
     if ckpt_dir is None:
       raise UserError(f"{path}: no complete checkpoint_<step> directory inside")
     config, params, extras = native.load(ckpt_dir)
-    m = native._STEP_DIR.match(os.path.basename(ckpt_dir.rstrip("/")))
-    step, path = (int(m.group(1)) if m else 0), ckpt_dir
+    step, path = native.step_of(ckpt_dir) or 0, ckpt_dir
   elif fmt == HF:
     config, params = hf.load_hf(path)
   else:

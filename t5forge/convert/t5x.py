@@ -16,12 +16,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import jax
 import ml_dtypes
 import msgpack
 import numpy as np
 
 from t5forge.errors import UserError
+from t5forge.nn import abstract_params
 from t5forge.nn.config import DECODER_ONLY, ModelConfig
+from t5forge.nn.stack import stack_layers
 
 _EXT_NDARRAY, _EXT_COMPLEX, _EXT_NPSCALAR = 1, 2, 3
 _DTYPES = {"bfloat16": ml_dtypes.bfloat16}
@@ -70,6 +73,7 @@ def _is_ts_spec(x: Any) -> bool:
 
 
 def _read_tensorstore(spec: dict, ckpt_dir: str, name: str) -> np.ndarray:
+  # Lazy: tensorstore takes ~0.7 s to import; only T5X checkpoints with external arrays need it.
   import tensorstore as ts  # pylint: disable=import-outside-toplevel
   spec = dict(spec)
   kvstore = dict(spec.get("kvstore", {}))
@@ -170,8 +174,6 @@ def load_t5x(path: str, config: ModelConfig | None = None) -> tuple[ModelConfig,
     (config, params as float32 numpy tree, extras) where extras holds `step` and
     `param_states` (T5X's optimizer state, e.g. Adafactor v_row / v_col / v / m).
   """
-  from t5forge.nn import abstract_params  # pylint: disable=import-outside-toplevel
-  import jax  # pylint: disable=import-outside-toplevel
   tree = read_t5x_checkpoint(path)
   opt = tree["optimizer"]
   if "target" not in opt:
@@ -194,7 +196,6 @@ def load_t5x(path: str, config: ModelConfig | None = None) -> tuple[ModelConfig,
                       f"{tuple(want.shape)}")
   params = jax.tree.map(lambda x: np.asarray(x, dtype=np.float32), target)
   if config.scan_layers:
-    from t5forge.nn.stack import stack_layers  # pylint: disable=import-outside-toplevel
     params = stack_layers(params)
   state = opt.get("state", {})
   step = state.get("step")

@@ -42,12 +42,16 @@ __all__ = ["CONFIG_FILE", "FAMILIES", "Family", "MAX_SHARD_BYTES", "SAFETENSORS"
            "params_to_state", "read_hf_config", "save_hf"]
 
 
+def _reader_of(model_type: str | None) -> Family | None:
+  return next((f for f in FAMILIES if model_type in f.model_types), None)
+
+
 def family_of(hf_cfg: dict, source: str) -> Family:
   """The family that reads a directory with config.json `hf_cfg` (read from `source`)."""
   model_type = hf_cfg.get("model_type")
-  for family in FAMILIES:
-    if model_type in family.model_types:
-      return family
+  family = _reader_of(model_type)
+  if family is not None:
+    return family
   what = ", ".join(hf_cfg.get("architectures") or []) or f"model_type {model_type!r}"
   known = "; ".join(f"{f.name} ({' and '.join(f.hf_architectures)})" for f in FAMILIES)
   raise UserError(f"{source}: unsupported HF architecture {what}; t5forge reads {known}")
@@ -88,7 +92,7 @@ def from_hf_dir(path: str) -> Vocabulary | None:
   hf_cfg = read_json(os.path.join(path, CONFIG_FILE), default={})
   # A directory without config.json, or of a family we do not read, is read as T5's: its
   # spiece.model is what such a directory most often holds.
-  family = next((f for f in FAMILIES if hf_cfg.get("model_type") in f.model_types), t5.FAMILY)
+  family = _reader_of(hf_cfg.get("model_type")) or t5.FAMILY
   return family.read_tokenizer(path, hf_cfg)
 
 
