@@ -22,7 +22,7 @@ STAMP_TEST := $(VENV)/.t5forge-installed-test
 STAMP_BENCH := $(VENV)/.t5forge-installed-bench
 PINS := pyproject.toml requirements.lock
 
-.PHONY: test test-fast demo bench venv clean browser allocator
+.PHONY: test test-fast lint demo bench venv clean browser allocator
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -65,11 +65,15 @@ allocator:
 
 # Two worker processes, each test file in one of them (module fixtures such as a server
 # are built once): much of the suite is single-threaded compiling and process start-up.
-test: $(STAMP_TEST) browser allocator
+test: $(STAMP_TEST) browser allocator lint
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
-test-fast: $(STAMP_TEST) browser allocator
+test-fast: $(STAMP_TEST) browser allocator lint
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
+
+# The linter's rules are in pyproject.toml; the import layers are tests/test_layers.py.
+lint: $(STAMP_TEST)
+	$(VENV)/bin/ruff check t5forge bench tests tools
 
 demo: $(STAMP_BASE) allocator
 	$(PY) -m t5forge demo

@@ -49,9 +49,9 @@ def _rss_mib() -> float:
 
 def child(args) -> None:
   """Runs in the measured process: one JSON line per step on stdout."""
-  from t5forge import host_memory  # pylint: disable=import-outside-toplevel
+  from t5forge import host_memory
   host_memory.keep_freed_memory()
-  from bench.ours import Backend  # pylint: disable=import-outside-toplevel
+  from bench.ours import Backend
   run, info = Backend().setup_train(
       model_dir=args.model_dir, dtype="float32", optimizer=args.optimizer, scan=args.scan,
       batch=args.batch, input_length=args.input_length, target_length=args.target_length)
@@ -89,7 +89,7 @@ def environment(choice: str) -> dict:
   `choice` may be followed by space-separated KEY=VALUE settings for that process
   (e.g. `system MALLOC_ARENA_MAX=1`, `jemalloc:<conf> GLIBC_TUNABLES=...`).
   """
-  from t5forge import host_memory  # pylint: disable=import-outside-toplevel
+  from t5forge import host_memory
   choice, *extra = choice.split()
   env = {k: v for k, v in os.environ.items() if k not in (host_memory.MARKER, "MALLOC_CONF")}
   for item in extra:
@@ -197,7 +197,7 @@ def main(argv=None) -> None:
 
 
 def _machine() -> dict:
-  from bench.prepare import machine_info  # pylint: disable=import-outside-toplevel
+  from bench.prepare import machine_info
   return machine_info()
 
 

@@ -328,7 +328,7 @@ def hot_spots(profile, top: int = 12) -> tuple[list[dict], float]:
 
 
 def machine() -> dict:
-  import google.protobuf, grain, pyarrow  # noqa: E401
+  import google.protobuf, grain, pyarrow
   cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo")
               if l.startswith("model name")), platform.processor())
   return {"cpu": cpu, "cpus": os.cpu_count(), "platform": platform.platform(),
@@ -351,7 +351,7 @@ def main(argv=None) -> None:
 
   import t5forge.data as data
   from t5forge.data import tasks
-  import pyarrow.parquet, grain, yaml  # noqa: F401,E401  (not part of any first open)
+  import pyarrow.parquet, grain, yaml  # noqa: F401  (not part of any first open)
   load = [os.getloadavg()]
   root = tempfile.mkdtemp(prefix="t5forge-bench-sources-")
   try:

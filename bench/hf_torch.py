@@ -58,8 +58,8 @@ def is_complete(path: str) -> bool:
 def _write_tokenizer(out_dir: str) -> None:
   """A three-word WordLevel tokenizer: CTranslate2's T5 loader needs one, and pads the
   vocabulary with `<extra_id_N>` up to config.vocab_size (ids 3.. map to those)."""
-  from tokenizers import Tokenizer  # pylint: disable=import-outside-toplevel
-  from tokenizers.models import WordLevel  # pylint: disable=import-outside-toplevel
+  from tokenizers import Tokenizer
+  from tokenizers.models import WordLevel
   vocab = {"<pad>": shapes.PAD, "</s>": shapes.EOS, "<unk>": shapes.UNK}
   tok = transformers.PreTrainedTokenizerFast(
       tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<unk>")),
@@ -80,7 +80,7 @@ def build_hf_dir(out_dir: str, hf_config: dict, seed: int) -> None:
   flan-t5 files do, the config says tie_word_embeddings false and model.safetensors
   holds its own `lm_head.weight` (normal, std 1: HF's init of an untied T5 output layer).
   """
-  from safetensors.torch import load_file, save_file  # pylint: disable=import-outside-toplevel
+  from safetensors.torch import load_file, save_file
   torch.manual_seed(seed)
   model = transformers.T5ForConditionalGeneration(transformers.T5Config(**hf_config))
   model.save_pretrained(out_dir)
@@ -134,7 +134,7 @@ def convert_ct2(hf_dir: str, out_dir: str, quantization: str | None) -> None:
   would compute logits d_model**0.5 times smaller than HF's (same greedy tokens,
   different beam scores).
   """
-  import ctranslate2  # pylint: disable=import-outside-toplevel
+  import ctranslate2
 
   class Converter(ctranslate2.converters.TransformersConverter):
     def load_model(self, model_class, model_name_or_path, **kwargs):

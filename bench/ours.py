@@ -59,7 +59,7 @@ def _cost_flops(compiled) -> float | None:
   """XLA's FLOP estimate of a compiled function (all ops, not only matmuls)."""
   try:
     cost = compiled.cost_analysis()
-  except Exception:  # pylint: disable=broad-except
+  except Exception:
     return None
   if isinstance(cost, (list, tuple)):
     cost = cost[0] if cost else None
@@ -193,7 +193,7 @@ class Backend:
   # -- data pipeline -----------------------------------------------------------------
   def op_data(self, num_batches: int, batch_size: int) -> list[dict]:
     """bench/data_pipeline.py's packed configurations, in this process."""
-    from bench import data_pipeline  # pylint: disable=import-outside-toplevel
+    from bench import data_pipeline
     return [data_pipeline.run(*cfg, batch_size=batch_size, num_batches=num_batches)
             for cfg in data_pipeline.CONFIGS if cfg[3] and cfg[4] == "first_fit"]
 
@@ -207,7 +207,7 @@ def check_preset(config: t5forge.ModelConfig, preset: str) -> None:
   """Raises unless `config` (as t5forge.load read the shared HF directory) is the preset
   `preset` in every field that shapes the network: the benchmark measures the released
   shape, not a look-alike."""
-  from t5forge import presets  # pylint: disable=import-outside-toplevel
+  from t5forge import presets
   want = presets.get(preset)
   diff = {f.name: (getattr(config, f.name), getattr(want, f.name))
           for f in dataclasses.fields(config)

@@ -94,7 +94,7 @@ def _cpu_model() -> str:
 
 def _cpu_flags() -> list[str]:
   wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "fma")
-  from t5forge import precision  # pylint: disable=import-outside-toplevel
+  from t5forge import precision
   have = precision.cpu_flags()
   return [w for w in wanted if w in have]
 
@@ -104,13 +104,13 @@ def bf16_hardware() -> bool:
   decides `t5forge train`'s default dtype). Without them torch multiplies bf16 matrices in
   an unvectorised loop (one [4096, 4096] product took over 7 minutes on an AVX2-only AMD
   EPYC) and bf16 has nothing to gain, so `--bf16 auto` leaves those rows out."""
-  from t5forge import precision  # pylint: disable=import-outside-toplevel
+  from t5forge import precision
   return precision.bf16_reason("cpu", precision.cpu_flags()) is not None
 
 
 def machine_info() -> dict:
   """CPU, cores, memory, load, and the versions of everything measured (no imports)."""
-  import psutil  # pylint: disable=import-outside-toplevel
+  import psutil
   versions = {}
   for name in ("jax", "jaxlib", "flax", "optax", "torch", "transformers", "ctranslate2",
                "numpy", "grain", "t5forge"):

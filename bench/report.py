@@ -16,7 +16,7 @@ def write_json(path: str, report: dict) -> None:
     json.dump(report, f, indent=2, default=str)
 
 
-def _terminate(signum, frame):  # pylint: disable=unused-argument
+def _terminate(signum, frame):
   raise KeyboardInterrupt(f"signal {signum}")
 
 

@@ -23,9 +23,9 @@ from bench.prepare import RESULTS_DIR
 
 
 def child(args) -> None:
-  from t5forge import host_memory  # pylint: disable=import-outside-toplevel
+  from t5forge import host_memory
   host_memory.keep_freed_memory()  # T5FORGE_MALLOC=keep, as the command would
-  from bench.ours import Backend  # pylint: disable=import-outside-toplevel
+  from bench.ours import Backend
   backend, runs, rows = Backend(), {}, []
   for dtype in args.dtypes.split(","):
     for scan in (False, True):
@@ -66,7 +66,7 @@ def main(argv=None) -> None:
   if args.child:
     child(args)
     return
-  from t5forge import host_memory  # pylint: disable=import-outside-toplevel
+  from t5forge import host_memory
   env, note = host_memory.plan(dict(os.environ))
   if note:
     print(note, file=sys.stderr)

@@ -116,8 +116,8 @@ class Offline:
   """Greedy `Generator.generate(stream=False)` on [b, 128] inputs, 64 new tokens."""
 
   def __init__(self, path: str, plan: Plan):
-    import numpy as np  # pylint: disable=import-outside-toplevel
-    from t5forge import generation, opener  # pylint: disable=import-outside-toplevel
+    import numpy as np
+    from t5forge import generation, opener
     self._np = np
     self.opened = opener.open_checkpoint(path, require_vocabulary=True)
     self.vocab = self.opened.vocabulary
@@ -293,7 +293,7 @@ def scrape(url: str) -> dict[str, dict]:
   """Histograms of GET /metrics: name -> {'buckets': {le: cumulative count}, 'sum', 'count'}
   (summed over label sets other than `le`; of a histogram by route, only the completions
   route, so that the scrapes themselves are not counted)."""
-  from prometheus_client.parser import text_string_to_metric_families  # pylint: disable=import-outside-toplevel
+  from prometheus_client.parser import text_string_to_metric_families
   status, _, body = testing.request(url, "/metrics", timeout=30)
   if status != 200:
     return {}
@@ -476,7 +476,7 @@ def _fmt(x, spec: str = ".3f") -> str:
 
 
 def render(report: dict) -> str:
-  from bench import table  # pylint: disable=import-outside-toplevel
+  from bench import table
   plan, off = report["plan"], report["offline"]
   lines = table.render_machine(report["machine"], 0, report["quick"])[:2]  # cpu, versions
   lines += [f"model: {report['model']}; float32",
@@ -503,7 +503,7 @@ def render(report: dict) -> str:
                  f"{_fmt(q.get('mean'))} / {_fmt(q.get('p99'))}", _fmt(b.get("mean"), ".1f"),
                  " ".join(f"{k[2:]}:{n}" for k, n in b.get("histogram", {}).items()) or "-",
                  f"{_fmt(adj['b16_tokens_per_s'], '.1f')} / {_fmt(adj['b1_s'])}"])
-  lines += table._table(["row", "ok", "errors", "tok/s", "p50 s", "p99 s",  # pylint: disable=protected-access
+  lines += table._table(["row", "ok", "errors", "tok/s", "p50 s", "p99 s",
                          "queue s mean / p99", "batch", "batches (size<=:count)",
                          "adjacent offline b16 tok/s / b1 s"], body)
   streamed = next((r for r in report["levels"] if r["stream"]), None)

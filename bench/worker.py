@@ -59,7 +59,7 @@ class Jobs:
 
   def drop(self, name: str) -> dict:
     self.runs.pop(name, None)
-    import gc  # pylint: disable=import-outside-toplevel
+    import gc
     gc.collect()
     return {}
 
@@ -70,7 +70,7 @@ class Jobs:
 def main(argv=None) -> None:
   kind = (argv or sys.argv[1:])[0]
   if kind == "ours":  # before the descriptors below change: execve keeps 0, 1 and 2 only
-    from t5forge import host_memory  # pylint: disable=import-outside-toplevel
+    from t5forge import host_memory
     host_memory.reexec()
   # Keep the protocol channel private: libraries that print would corrupt it.
   proto = os.fdopen(os.dup(1), "w", buffering=1)
@@ -86,7 +86,7 @@ def main(argv=None) -> None:
     host_memory.keep_freed_memory()
   try:
     backend = importlib.import_module(BACKENDS[kind]).Backend()
-  except Exception:  # pylint: disable=broad-except
+  except Exception:
     reply(ok=False, error=traceback.format_exc())
     return
   jobs = Jobs(backend)
@@ -98,7 +98,7 @@ def main(argv=None) -> None:
     try:
       result = getattr(jobs, msg["op"])(**msg.get("args", {}))
       reply(ok=True, result=result)
-    except Exception:  # pylint: disable=broad-except
+    except Exception:
       reply(ok=False, error=traceback.format_exc())
 
 

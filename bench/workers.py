@@ -53,8 +53,8 @@ class Worker:
     env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    self._log = open(log_path, "w")  # pylint: disable=consider-using-with
-    self.proc = subprocess.Popen(  # pylint: disable=consider-using-with
+    self._log = open(log_path, "w")
+    self.proc = subprocess.Popen(
         [sys.executable, "-m", "bench.worker", kind], cwd=REPO_ROOT, env=env,
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
         bufsize=1, start_new_session=True, preexec_fn=_die_with_parent)

@@ -10,7 +10,7 @@ The names below are imported on first use (PEP 562), so that `import t5forge.exp
 import importlib
 
 __version__ = "0.1.0"
-__all__ = ["load", "init", "Model", "ModelConfig", "presets", "UserError"]
+__all__ = ["load", "init", "Model", "ModelConfig", "presets", "UserError"]  # noqa: F822 (lazy names: __getattr__, PEP 562)
 
 # name -> (module, attribute or None for the module itself)
 _LAZY = {

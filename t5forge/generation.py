@@ -208,7 +208,7 @@ class Generator:
 
   def _context(self):
     if self.partitioner is None:
-      import contextlib  # pylint: disable=import-outside-toplevel
+      import contextlib  # noqa: PLC0415
       return contextlib.nullcontext()
     return self.partitioner.activation_context()
 

@@ -248,9 +248,9 @@ class Model:
     Returns:
       {'loss': per-target-token loss, 'accuracy': ...} of this batch before the update.
     """
-    from t5forge.train import optim  # pylint: disable=import-outside-toplevel
-    from t5forge.train.state import create  # pylint: disable=import-outside-toplevel
-    from t5forge.train.step import make_train_step  # pylint: disable=import-outside-toplevel
+    from t5forge.train import optim  # noqa: PLC0415
+    from t5forge.train.state import create  # noqa: PLC0415
+    from t5forge.train.step import make_train_step  # noqa: PLC0415
     if not examples:
       raise UserError("train_step() needs at least one example")
     batch = self._text_batch([e["inputs"] for e in examples], [e["targets"] for e in examples],
@@ -279,7 +279,7 @@ class Model:
 
   def save(self, path: str) -> None:
     """Writes a t5forge checkpoint directory (orbax), with the vocabulary."""
-    from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
+    from t5forge.data import vocab_io  # noqa: PLC0415
     self._refuse_int8("save")
     native.save(path, self.config, self.params,
                 extra_config={"vocabulary": vocab_io.to_spec(self.vocabulary)})

@@ -53,7 +53,7 @@ def bleu(targets: Sequence, predictions: Sequence[str],
       stream i instead, see the module docstring).
     predictions: one string per example.
   """
-  import sacrebleu
+  import sacrebleu  # noqa: PLC0415 (slow import, on first use)
 
   _check(targets, predictions)
   score = sacrebleu.corpus_bleu(list(predictions), _reference_streams(targets), smooth_method="exp",
@@ -64,7 +64,7 @@ def bleu(targets: Sequence, predictions: Sequence[str],
 
 def chrf(targets: Sequence, predictions: Sequence[str]) -> dict[str, float]:
   """Corpus chrF (sacrebleu defaults: character 6-grams, beta 2)."""
-  import sacrebleu
+  import sacrebleu  # noqa: PLC0415 (slow import, on first use)
 
   _check(targets, predictions)
   return {"chrf": sacrebleu.corpus_chrf(list(predictions), _reference_streams(targets)).score}
@@ -80,7 +80,7 @@ def _reference_streams(targets: Sequence) -> list[list[str]]:
 def rouge(targets: Sequence[str], predictions: Sequence[str],
           score_keys: Sequence[str] = ("rouge1", "rouge2", "rougeLsum")) -> dict[str, float]:
   """ROUGE F-measures x100 as T5 computes them (see the module docstring)."""
-  from rouge_score import rouge_scorer, scoring
+  from rouge_score import rouge_scorer, scoring  # noqa: PLC0415 (slow import, on first use)
 
   _check(targets, predictions)
   scorer = rouge_scorer.RougeScorer(list(score_keys))
@@ -176,7 +176,7 @@ def squad(targets: Sequence[Sequence[str]], predictions: Sequence[str]) -> dict[
 
 def pearson_corrcoef(targets: Sequence[float], predictions: Sequence[float]) -> dict[str, float]:
   """Pearson's r x100 (scipy.stats.pearsonr), as T5's STS-B metric."""
-  import scipy.stats
+  import scipy.stats  # noqa: PLC0415 (slow import, on first use)
 
   _check(targets, predictions)
   return {"pearson_corrcoef": 100 * float(scipy.stats.pearsonr(targets, predictions)[0])}
@@ -184,7 +184,7 @@ def pearson_corrcoef(targets: Sequence[float], predictions: Sequence[float]) -> 
 
 def spearman_corrcoef(targets: Sequence[float], predictions: Sequence[float]) -> dict[str, float]:
   """Spearman's rho x100 (scipy.stats.spearmanr), as T5's STS-B metric."""
-  import scipy.stats
+  import scipy.stats  # noqa: PLC0415 (slow import, on first use)
 
   _check(targets, predictions)
   return {"spearman_corrcoef": 100 * float(scipy.stats.spearmanr(targets, predictions)[0])}
@@ -192,7 +192,7 @@ def spearman_corrcoef(targets: Sequence[float], predictions: Sequence[float]) ->
 
 def matthews_corrcoef(targets: Sequence, predictions: Sequence) -> dict[str, float]:
   """Matthews correlation x100 (sklearn.metrics.matthews_corrcoef), T5's CoLA metric."""
-  import sklearn.metrics
+  import sklearn.metrics  # noqa: PLC0415 (slow import, on first use)
 
   _check(targets, predictions)
   return {"matthews_corrcoef": 100 * float(sklearn.metrics.matthews_corrcoef(targets, predictions))}
@@ -206,7 +206,7 @@ def mean_multiclass_f1(num_classes: int, **fbeta_kwargs) -> Callable[..., dict[s
   and predictions counts as F1 0, as scikit-learn scores it (with a warning silenced).
   """
   def metric(targets: Sequence[int], predictions: Sequence[int]) -> dict[str, float]:
-    import sklearn.metrics
+    import sklearn.metrics  # noqa: PLC0415 (slow import, on first use)
 
     _check(targets, predictions)
     kwargs = {"zero_division": 0.0, **fbeta_kwargs}
@@ -223,7 +223,7 @@ def f1_score_with_invalid(targets: Sequence[int], predictions: Sequence[int]) ->
   An invalid prediction is replaced by the opposite of its target before
   sklearn.metrics.f1_score; the caller's predictions are not modified.
   """
-  import sklearn.metrics
+  import sklearn.metrics  # noqa: PLC0415 (slow import, on first use)
 
   _check(targets, predictions)
   targets = np.asarray(targets)

@@ -115,9 +115,9 @@ def machine(platform: str | None = None,
             flags: frozenset[str] | None = None) -> tuple[str, frozenset[str]]:
   """JAX's backend and the CPU flags; in a multi-process job, process 0's flags, so that
   every process compiles the same program even on mixed hosts."""
-  import jax  # pylint: disable=import-outside-toplevel
+  import jax  # noqa: PLC0415
   platform = jax.default_backend() if platform is None else platform
   if flags is None:
-    from t5forge import multihost  # pylint: disable=import-outside-toplevel
+    from t5forge import multihost  # noqa: PLC0415
     flags = frozenset(multihost.gather_json(sorted(cpu_flags()))[0])
   return platform, flags

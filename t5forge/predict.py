@@ -180,7 +180,7 @@ class Predictor:
     return out
 
   def _context(self):
-    import contextlib  # pylint: disable=import-outside-toplevel
+    import contextlib  # noqa: PLC0415
     return (self.partitioner.activation_context() if self.partitioner is not None
             else contextlib.nullcontext())
 

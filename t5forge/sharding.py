@@ -173,7 +173,7 @@ class Partitioner:
   def place(self, tree, shardings=None):
     """Host (numpy) arrays present on every process -> global arrays with the given
     shardings (default: replicated). Works with one or several processes."""
-    import numpy as np  # pylint: disable=import-outside-toplevel
+    import numpy as np  # noqa: PLC0415
     if shardings is None:
       shardings = jax.tree.map(lambda _: self.replicated(), tree)
 

@@ -39,14 +39,14 @@ FAST_FLAGS = ["--max_batch_size", "8", "--batch_buckets", "1,8", "--length_bucke
 # -- models ---------------------------------------------------------------------------------
 def bundled_vocabulary():
   """The bundled SentencePiece vocabulary with T5's 100 sentinels (8,100 ids)."""
-  from t5forge.data.vocab import SentencePieceVocabulary  # pylint: disable=import-outside-toplevel
+  from t5forge.data.vocab import SentencePieceVocabulary  # noqa: PLC0415
   return SentencePieceVocabulary(BUNDLED_VOCABULARY, extra_ids=EXTRA_IDS)
 
 
 def checkpoint_with_vocabulary(path: str, preset: str, seed: int) -> str:
   """A random-init `preset` whose vocabulary is the bundled one, saved with `Model.save`
   (the checkpoint carries its vocabulary, as `t5forge serve` needs); returns `path`."""
-  import t5forge  # pylint: disable=import-outside-toplevel
+  import t5forge  # noqa: PLC0415
   vocab = bundled_vocabulary()
   t5forge.init(preset, vocabulary=vocab, vocab_size=vocab.vocab_size, seed=seed).save(path)
   return path
@@ -104,9 +104,9 @@ class Server:
     self._log = None
     if log_path:
       os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
-      self._log = open(log_path, "w", encoding="utf-8")  # pylint: disable=consider-using-with
+      self._log = open(log_path, "w", encoding="utf-8")
     self._start = time.perf_counter()
-    self.proc = subprocess.Popen(  # pylint: disable=consider-using-with
+    self.proc = subprocess.Popen(
         self.argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, start_new_session=own_session)
     self._reader = threading.Thread(target=self._read, daemon=True)

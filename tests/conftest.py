@@ -13,7 +13,7 @@ T5X_FIXTURE = os.path.join(SHARED, "testdata", "t5x", "test_t5_tiny.checkpoint_0
 @pytest.fixture(scope="session")
 def hf_dirs(tmp_path_factory):
   """Builds each HF reference variant once per session, on first use."""
-  from hf_reference import build_hf_dir  # pylint: disable=import-outside-toplevel
+  from hf_reference import build_hf_dir
   cache = {}
 
   def get(name: str) -> str:

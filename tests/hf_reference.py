@@ -30,9 +30,9 @@ VARIANTS = {
 
 def build_hf_dir(name: str, out_dir: str, seed: int = 0) -> str:
   """Saves a random-init HF model of the given variant to out_dir; returns out_dir."""
-  import torch  # pylint: disable=import-outside-toplevel
-  import transformers  # pylint: disable=import-outside-toplevel
-  from safetensors.torch import load_file, save_file  # pylint: disable=import-outside-toplevel
+  import torch
+  import transformers
+  from safetensors.torch import load_file, save_file
   family, fields, untie = VARIANTS[name]
   torch.manual_seed(seed)
   if family == "mt5":
@@ -65,7 +65,7 @@ def build_hf_dir(name: str, out_dir: str, seed: int = 0) -> str:
 
 
 def load_hf_model(path: str):
-  import transformers  # pylint: disable=import-outside-toplevel
+  import transformers
   with open(os.path.join(path, "config.json")) as f:
     model_type = json.load(f)["model_type"]
   cls = (transformers.MT5ForConditionalGeneration if model_type == "mt5"
@@ -75,7 +75,7 @@ def load_hf_model(path: str):
 
 def hf_forward(model, encoder_input_tokens: np.ndarray, decoder_input_tokens: np.ndarray):
   """(encoder last hidden state [b, i, e], logits [b, t, v]) as float32 numpy."""
-  import torch  # pylint: disable=import-outside-toplevel
+  import torch
   enc = torch.tensor(encoder_input_tokens, dtype=torch.long)
   dec = torch.tensor(decoder_input_tokens, dtype=torch.long)
   with torch.no_grad():

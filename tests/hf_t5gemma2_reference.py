@@ -32,7 +32,7 @@ VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_att
 
 
 def hf_config(**text_changes):
-  import transformers  # pylint: disable=import-outside-toplevel
+  import transformers
   text = {**TEXT, **text_changes}
   encoder = transformers.T5Gemma2EncoderConfig(text_config=dict(text), vision_config=VISION,
                                                mm_tokens_per_image=4, eoi_token_index=EOI)
@@ -43,8 +43,8 @@ def hf_config(**text_changes):
 
 def build_hf_dir(out_dir: str, seed: int = 0, **text_changes) -> str:
   """Saves a random-init T5Gemma2ForConditionalGeneration to out_dir; returns out_dir."""
-  import torch  # pylint: disable=import-outside-toplevel
-  import transformers  # pylint: disable=import-outside-toplevel
+  import torch
+  import transformers
   torch.manual_seed(seed)
   model = transformers.T5Gemma2ForConditionalGeneration(hf_config(**text_changes))
   with torch.no_grad():
@@ -60,7 +60,7 @@ def build_hf_dir(out_dir: str, seed: int = 0, **text_changes) -> str:
 def _rope_float64(module, x, position_ids, layer_type):
   """T5Gemma2RotaryEmbedding.forward with angles computed in float64 (default or linear
   RoPE)."""
-  import torch  # pylint: disable=import-outside-toplevel
+  import torch
   cfg = module.config
   rope = cfg.rope_parameters[layer_type]
   dim = cfg.head_dim
@@ -74,7 +74,7 @@ def _rope_float64(module, x, position_ids, layer_type):
 
 def load_hf_model(path: str, *, float64: bool = False):
   """T5Gemma2ForConditionalGeneration from `path`, eval mode; float64 with float64 RoPE."""
-  import transformers  # pylint: disable=import-outside-toplevel
+  import transformers
   model = transformers.T5Gemma2ForConditionalGeneration.from_pretrained(path).eval()
   if not float64:
     return model
@@ -87,7 +87,7 @@ def load_hf_model(path: str, *, float64: bool = False):
 
 def hf_forward(model, encoder_input_tokens: np.ndarray, decoder_input_tokens: np.ndarray):
   """(encoder last hidden state [b, i, e], logits [b, t, v]) as float64 numpy."""
-  import torch  # pylint: disable=import-outside-toplevel
+  import torch
   enc = torch.tensor(encoder_input_tokens, dtype=torch.long)
   dec = torch.tensor(decoder_input_tokens, dtype=torch.long)
   with torch.no_grad():
@@ -113,7 +113,7 @@ def hf_forward_unpadded(model, encoder_input_tokens: np.ndarray, decoder_input_t
 def hf_greedy(model, encoder_input_tokens: np.ndarray, max_new_tokens: int) -> np.ndarray:
   """transformers' generate (greedy, from BOS 2) without the start token:
   [b, max_new_tokens], 0 after EOS."""
-  import torch  # pylint: disable=import-outside-toplevel
+  import torch
   enc = torch.tensor(encoder_input_tokens, dtype=torch.long)
   with torch.no_grad():
     out = model.generate(input_ids=enc, attention_mask=(enc != PAD).long(), do_sample=False,

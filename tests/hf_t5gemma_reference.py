@@ -49,7 +49,7 @@ VARIANTS = {
 
 
 def hf_config(name: str, *, tied: bool = True):
-  import transformers  # pylint: disable=import-outside-toplevel
+  import transformers
   enc, dec = VARIANTS[name]
   return transformers.T5GemmaConfig(
       encoder=transformers.T5GemmaModuleConfig(**_COMMON, **enc),
@@ -67,8 +67,8 @@ def build_hf_dir(name: str, out_dir: str, seed: int = 0, max_shard_size: str | N
     tied: False: tie_word_embeddings false, a separate random lm_head (released models
       are tied).
   """
-  import torch  # pylint: disable=import-outside-toplevel
-  import transformers  # pylint: disable=import-outside-toplevel
+  import torch
+  import transformers
   torch.manual_seed(seed)
   model = transformers.T5GemmaForConditionalGeneration(hf_config(name, tied=tied))
   with torch.no_grad():
@@ -84,7 +84,7 @@ def build_hf_dir(name: str, out_dir: str, seed: int = 0, max_shard_size: str | N
 
 def _rope_float64(module, x, position_ids):
   """T5GemmaRotaryEmbedding.forward with angles computed in float64."""
-  import torch  # pylint: disable=import-outside-toplevel
+  import torch
   cfg = module.config
   dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
   base = cfg.rope_parameters["rope_theta"]
@@ -96,7 +96,7 @@ def _rope_float64(module, x, position_ids):
 
 def load_hf_model(path: str, *, float64: bool = False):
   """T5GemmaForConditionalGeneration from `path`, eval mode; float64 with float64 RoPE."""
-  import transformers  # pylint: disable=import-outside-toplevel
+  import transformers
   model = transformers.T5GemmaForConditionalGeneration.from_pretrained(path).eval()
   if not float64:
     return model
@@ -109,7 +109,7 @@ def load_hf_model(path: str, *, float64: bool = False):
 
 def hf_forward(model, encoder_input_tokens: np.ndarray, decoder_input_tokens: np.ndarray):
   """(encoder last hidden state [b, i, e], logits [b, t, v]) as float64 numpy."""
-  import torch  # pylint: disable=import-outside-toplevel
+  import torch
   enc = torch.tensor(encoder_input_tokens, dtype=torch.long)
   dec = torch.tensor(decoder_input_tokens, dtype=torch.long)
   with torch.no_grad():
@@ -138,7 +138,7 @@ def hf_forward_unpadded(model, encoder_input_tokens: np.ndarray, decoder_input_t
 def hf_greedy(model, encoder_input_tokens: np.ndarray, max_new_tokens: int) -> np.ndarray:
   """transformers' generate (greedy, decoder start BOS 2), without the start token:
   [b, max_new_tokens], 0 after EOS (transformers pads finished rows with pad 0)."""
-  import torch  # pylint: disable=import-outside-toplevel
+  import torch
   enc = torch.tensor(encoder_input_tokens, dtype=torch.long)
   with torch.no_grad():
     out = model.generate(input_ids=enc, attention_mask=(enc != PAD).long(), do_sample=False,
@@ -151,7 +151,7 @@ def hf_greedy(model, encoder_input_tokens: np.ndarray, max_new_tokens: int) -> n
 def hf_summed_log_probs(model, encoder_input_tokens: np.ndarray, targets: np.ndarray):
   """Summed log p(target tokens) per row; targets [b, t] end with EOS, 0-padded. Each
   row is run unpadded (see `hf_forward_unpadded`)."""
-  import torch  # pylint: disable=import-outside-toplevel
+  import torch
   dec = np.concatenate([np.full((targets.shape[0], 1), BOS), targets[:, :-1]], axis=1)
   _, logits = hf_forward_unpadded(model, encoder_input_tokens, dec)
   logp = torch.log_softmax(torch.tensor(logits), dim=-1).numpy()
@@ -187,7 +187,7 @@ def write_config(path: str, cfg: dict) -> None:
 # bundled English text: a SentencePiece `tokenizer.model` and a `tokenizers` `tokenizer.json`.
 
 def _english_lines(n: int = 2000) -> list[str]:
-  import gzip  # pylint: disable=import-outside-toplevel
+  import gzip
   path = os.path.join(os.path.dirname(__file__), "..", "t5forge", "data", "bundled",
                       "english_web_bible.txt.gz")
   with gzip.open(path, "rt", encoding="utf-8") as f:
@@ -196,8 +196,8 @@ def _english_lines(n: int = 2000) -> list[str]:
 
 def write_sentencepiece(path: str, vocab_size: int) -> str:
   """A unigram SentencePiece model of exactly `vocab_size` pieces, Gemma's layout."""
-  import io  # pylint: disable=import-outside-toplevel
-  import sentencepiece as spm  # pylint: disable=import-outside-toplevel
+  import io
+  import sentencepiece as spm
   buf = io.BytesIO()
   spm.SentencePieceTrainer.train(
       sentence_iterator=iter(_english_lines()), model_writer=buf, vocab_size=vocab_size,
@@ -211,7 +211,7 @@ def write_sentencepiece(path: str, vocab_size: int) -> str:
 
 def write_tokenizer_json(path: str, vocab_size: int) -> str:
   """A `tokenizers` BPE tokenizer.json of exactly `vocab_size` ids, Gemma's layout."""
-  # pylint: disable-next=import-outside-toplevel
+
   from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
   tok = Tokenizer(models.BPE(unk_token="<unk>"))
   tok.normalizer = normalizers.Replace(" ", "\u2581")

@@ -31,7 +31,7 @@ def _named(tree) -> dict:
 
 
 def _inside_orbax() -> bool:
-  frame = sys._getframe(2)  # pylint: disable=protected-access
+  frame = sys._getframe(2)
   while frame is not None:
     if "orbax" in frame.f_code.co_filename:
       return True

@@ -6,7 +6,6 @@ checks the sharding of every parameter and optimizer leaf. Prints one JSON line.
   python tests/sharding_worker.py DIR t5gemma    # T5Gemma with GQA (T5GEMMA_CFG)
 """
 import json
-import os
 import sys
 
 import jax
@@ -123,7 +122,7 @@ def _abstract(part):
   tx = spec.build(lambda s: 0.01, p_axes)
   opt = jax.eval_shape(tx.init, params)
   o_axes = spec.state_axes(opt, params, p_axes)
-  shard = lambda abstract, axes, prefix: jax.tree.map(  # noqa: E731
+  shard = lambda abstract, axes, prefix: jax.tree.map(
       lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
       part.tree_shardings(axes, prefix=prefix, shapes=abstract))
   return TrainState(step=None, params=shard(params, p_axes, "p"), opt_state=shard(opt, o_axes, "o"))

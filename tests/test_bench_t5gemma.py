@@ -15,7 +15,7 @@ from t5forge.convert.hf import t5gemma as hf_t5gemma
 
 
 def _config_read_by_t5forge(shape: shapes.T5GemmaShape):
-  from bench import hf_torch  # pylint: disable=import-outside-toplevel
+  from bench import hf_torch
   hf = json.loads(hf_torch.t5gemma_config(shape.hf_config()).to_json_string())
   return hf_t5gemma.config_from_hf(hf, source=f"{shape.name}/config.json")
 

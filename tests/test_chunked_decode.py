@@ -233,9 +233,9 @@ def test_warmup_compiles_what_generate_runs(models):
   m, _ = models("t5_1_1.tiny")
   g = Generator(m.model, m.params)
   assert g.warmup([Kind()], [2], [7], [5]) == 1
-  start, advance = g._sample_fns(Kind(), 5)  # pylint: disable=protected-access
-  sizes = start._cache_size(), advance._cache_size()  # pylint: disable=protected-access
+  start, advance = g._sample_fns(Kind(), 5)
+  sizes = start._cache_size(), advance._cache_size()
   g.generate(Kind(), _inputs(m, seed=3, b=2), decode_length=5,
              max_new_tokens=np.array([5, 2], np.int32), temperature=_rows(2, 0.7),
              topp=_rows(2, 0.5), stream=True)
-  assert (start._cache_size(), advance._cache_size()) == sizes == (1, 1)  # pylint: disable=protected-access
+  assert (start._cache_size(), advance._cache_size()) == sizes == (1, 1)

@@ -65,7 +65,7 @@ def _ext_default(obj):
 def test_t5x_tensorstore_references_are_read(tmp_path):
   """T5X writes partitioned arrays as zarr next to the msgpack file, referenced by a
   TensorStore spec with a path relative to the checkpoint directory."""
-  import tensorstore as ts  # pylint: disable=import-outside-toplevel
+  import tensorstore as ts
   raw = t5x.read_t5x_checkpoint(T5X_FIXTURE)
   ckpt_dir = tmp_path / "checkpoint_1000"
   ckpt_dir.mkdir()
@@ -99,7 +99,7 @@ def test_t5x_tensorstore_references_are_read(tmp_path):
 
 
 def test_torch_bin_and_shards_read_without_torch(hf_dirs, tmp_path):
-  import torch  # pylint: disable=import-outside-toplevel
+  import torch
   src = hf_dirs("flan")
   want = jax.tree.map(np.asarray, t5forge.load(src).params)
   model = load_hf_model(src)
@@ -183,7 +183,7 @@ def test_bad_inputs_give_one_line(hf_dirs, tmp_path):
                              str(tmp_path / "o"), "--to", "hf"))
   assert "no weights" in msg and "model.safetensors" in msg
   # A weight of the wrong shape: name the weight, both shapes.
-  from safetensors.numpy import load_file, save_file  # pylint: disable=import-outside-toplevel
+  from safetensors.numpy import load_file, save_file
   bad = tmp_path / "bad_shape"; shutil.copytree(hf_dirs("flan"), bad)
   state = load_file(str(bad / "model.safetensors"))
   state["encoder.block.1.layer.0.SelfAttention.q.weight"] = np.zeros((16, 32), np.float32)

@@ -42,9 +42,9 @@ def tiny_hf(tmp_path_factory):
   """A flan-t5-shaped HF directory (gated GELU, untied output layer), random weights,
   written by transformers, whose tokenizer is the bundled 8k spiece.model (8000 ids with
   its 100 extra ids, the vocab_size of the model)."""
-  import torch  # pylint: disable=import-outside-toplevel
-  import transformers  # pylint: disable=import-outside-toplevel
-  from safetensors.torch import load_file, save_file  # pylint: disable=import-outside-toplevel
+  import torch
+  import transformers
+  from safetensors.torch import load_file, save_file
   d = str(tmp_path_factory.mktemp("hf") / "tiny-flan")
   vocab_size = bundled_tasks.VOCABULARY.vocab_size
   torch.manual_seed(0)

@@ -197,7 +197,7 @@ def test_sampling_matches_live_and_greedy_rows(enc_dec, live):
 def test_generator_interface_and_limits(enc_dec, live):
   _, _, out = enc_dec
   gen = exported.ExportedGenerator(out)
-  Kind = exported.Kind  # pylint: disable=invalid-name
+  Kind = exported.Kind
 
   tokens, greedy = live[0][:3], live[1][:3]
   chunks = []
@@ -250,7 +250,7 @@ def test_changed_file_is_refused_in_one_line(enc_dec, tmp_path):
 def test_other_platform_and_bad_ids_are_one_line(enc_dec, tmp_path):
   """A function lowered for another backend (jax.export lowers for TPU on a CPU machine)
   and ids outside the vocabulary: ExportError, not XLA's error or silently clamped ids."""
-  from t5forge.export import writer as export  # pylint: disable=import-outside-toplevel
+  from t5forge.export import writer as export
   _, model, _ = enc_dec
   out = str(tmp_path / "tpu")
   export.export_jax(model.model, model.params, model.vocabulary, out,
@@ -266,8 +266,8 @@ def test_other_platform_and_bad_ids_are_one_line(enc_dec, tmp_path):
 def test_failed_export_leaves_nothing(enc_dec, tmp_path, monkeypatch):
   """Weights and vocabulary are written before the functions; a failure while exporting
   one leaves neither the output nor its temporary sibling."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from t5forge.export import writer as export  # pylint: disable=import-outside-toplevel
+  import jax
+  from t5forge.export import writer as export
   _, model, _ = enc_dec
   out = str(tmp_path / "half")
 
@@ -292,8 +292,8 @@ def test_decoder_only_export(tmp_path_factory):
 
 
 def test_hf_format_loads_in_transformers(enc_dec, live, tmp_path):
-  import torch  # pylint: disable=import-outside-toplevel
-  import transformers  # pylint: disable=import-outside-toplevel
+  import torch
+  import transformers
   ckpt, model, _ = enc_dec
   out = str(tmp_path / "hf")
   r = _cli("export", "--checkpoint", ckpt, "--output", out, "--format", "hf")

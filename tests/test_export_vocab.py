@@ -66,7 +66,7 @@ def _assert_same_tokenizer(tok, vocab):
 
 
 def test_convert_to_hf_writes_a_tokenizer_autotokenizer_loads(tmp_path, spm_vocab, capsys):
-  from transformers import AutoTokenizer, T5Tokenizer  # pylint: disable=import-outside-toplevel
+  from transformers import AutoTokenizer, T5Tokenizer
   ckpt = _checkpoint(tmp_path / "ckpt", "t5_1_1.tiny", spm_vocab)
   out = _convert(ckpt, tmp_path / "hf", "hf", capsys)
   assert "sentencepiece 8000 ids (bible_en_es_8k)" in out
@@ -102,7 +102,7 @@ def test_convert_to_t5forge_keeps_the_vocabulary(tmp_path, spm_vocab, capsys):
 
 
 def test_load_save_and_save_hf_carry_the_vocabulary(tmp_path, spm_vocab):
-  from transformers import AutoTokenizer  # pylint: disable=import-outside-toplevel
+  from transformers import AutoTokenizer
   m = t5forge.load(_checkpoint(tmp_path / "ckpt", "t5_1_1.tiny", spm_vocab))
   m.save_hf(str(tmp_path / "hf"))
   _assert_same_tokenizer(AutoTokenizer.from_pretrained(str(tmp_path / "hf")), spm_vocab)
@@ -111,7 +111,7 @@ def test_load_save_and_save_hf_carry_the_vocabulary(tmp_path, spm_vocab):
 
 
 def test_byt5_export_loads_as_byt5_tokenizer(tmp_path, capsys):
-  from transformers import AutoTokenizer  # pylint: disable=import-outside-toplevel
+  from transformers import AutoTokenizer
   vocab = ByteVocabulary(extra_ids=125)
   ckpt = _checkpoint(tmp_path / "ckpt", "byt5.tiny", vocab)
   _convert(ckpt, tmp_path / "hf", "hf", capsys)

@@ -73,9 +73,9 @@ def test_dense_and_fused_projections_equal_jnp_dot():
   def loss(fn):
     return lambda x, ks: sum(jnp.sum(y * c) for y, c in zip(fn(x, ks), cot))
 
-  fused = lambda x, ks: matmul.dense_multi(x, ks)  # noqa: E731
-  single = lambda x, ks: [matmul.dense(x, k) for k in ks]  # noqa: E731
-  plain = lambda x, ks: [jnp.dot(x, k) for k in ks]  # noqa: E731
+  fused = lambda x, ks: matmul.dense_multi(x, ks)
+  single = lambda x, ks: [matmul.dense(x, k) for k in ks]
+  plain = lambda x, ks: [jnp.dot(x, k) for k in ks]
   want = jax.grad(loss(plain), argnums=(0, 1))(x, ks)
   for fn in (fused, single):
     np.testing.assert_allclose(loss(fn)(x, ks), loss(plain)(x, ks), rtol=1e-5)
@@ -93,8 +93,8 @@ def test_bfloat16_projection_gradient_equals_autodiff(i, o):
   x = jnp.asarray(RNG.normal(size=(3, 24, i)), jnp.bfloat16)
   k = jnp.asarray(RNG.normal(size=(i, o)), jnp.bfloat16)
   cot = jnp.asarray(RNG.normal(size=(3, 24, o)), jnp.float32)
-  plain = lambda x, k: jnp.einsum("bni,io->bno", x, k, preferred_element_type=jnp.float32)  # noqa: E731
-  loss = lambda fn: lambda x, k: jnp.sum(fn(x, k) * cot)  # noqa: E731
+  plain = lambda x, k: jnp.einsum("bni,io->bno", x, k, preferred_element_type=jnp.float32)
+  loss = lambda fn: lambda x, k: jnp.sum(fn(x, k) * cot)
   y = matmul.dense(x, k)
   assert y.dtype == jnp.float32
   np.testing.assert_allclose(y, plain(x, k), rtol=1e-6, atol=1e-6)
@@ -130,8 +130,8 @@ def test_bfloat16_projection_of_float32_kernel_gives_float32_gradient(i, o):
   # The reference: float32 arithmetic on the rounded operands (x32, k32 are leaves, so no
   # gradient passes through a rounding).
   x32, k32 = x.astype(jnp.float32), k.astype(jnp.bfloat16).astype(jnp.float32)
-  ref = lambda x, k: jnp.einsum("bni,io->bno", x, k)  # noqa: E731
-  loss = lambda fn: lambda x, k: jnp.sum(fn(x, k) * cot)  # noqa: E731
+  ref = lambda x, k: jnp.einsum("bni,io->bno", x, k)
+  loss = lambda fn: lambda x, k: jnp.sum(fn(x, k) * cot)
   np.testing.assert_allclose(matmul.dense(x, k), ref(x32, k32), rtol=1e-5, atol=1e-5)
   gx, gk = jax.jit(jax.grad(loss(matmul.dense), argnums=(0, 1)))(x, k)
   wx, wk = jax.grad(loss(ref), argnums=(0, 1))(x32, k32)
@@ -190,8 +190,8 @@ def test_integer_target_cross_entropy_equals_one_hot_version(smoothing, z):
 
 
 def _torch_grads(path, enc, dec, targets):
-  import torch  # pylint: disable=import-outside-toplevel
-  import transformers  # pylint: disable=import-outside-toplevel
+  import torch
+  import transformers
   model = transformers.T5ForConditionalGeneration.from_pretrained(path).float()
   model.train(False)
   labels = torch.tensor(np.where(targets > 0, targets, -100), dtype=torch.long)
@@ -235,7 +235,7 @@ def test_fast_training_modes_give_the_reference_gradient(hf_dirs):
            "decoder_loss_weights": np.ones(dec.shape, np.float32)}
 
   def grads(cfg):
-    from t5forge.nn.stack import stack_layers  # pylint: disable=import-outside-toplevel
+    from t5forge.nn.stack import stack_layers
     p = stack_layers(params) if cfg.scan_layers else params
     g = jax.grad(lambda p: EncoderDecoderModel(cfg).loss_fn(p, batch, None)[0])(p)
     return params_to_state(g, cfg)
@@ -255,7 +255,7 @@ def test_scanned_stack_recomputes_to_the_same_gradient_with_dropout(hf_dirs, mon
   """A scan without remat keeps only the expensive intermediates (`stack.scan_saveable`)
   and recomputes the rest in the backward pass, dropout masks included: the gradient
   equals that of the scan keeping everything."""
-  from t5forge.nn import stack  # pylint: disable=import-outside-toplevel
+  from t5forge.nn import stack
   config, params = load_hf(hf_dirs("flan"))
   config = config.replace(scan_layers=True, dropout_rate=0.3)
   params = stack.stack_layers(params)
@@ -279,9 +279,9 @@ def test_scanned_stack_recomputes_to_the_same_gradient_with_dropout(hf_dirs, mon
 def test_int8_weights_stay_close_to_float_and_to_transformers(hf_dirs):
   """int8 weight-only kernels (per-channel weights, per-token activations): logits within
   a few percent of HF's float logits, and greedy decoding mostly the same tokens."""
-  import t5forge  # pylint: disable=import-outside-toplevel
-  from t5forge.nn import quant  # pylint: disable=import-outside-toplevel
-  from hf_reference import hf_forward, load_hf_model  # pylint: disable=import-outside-toplevel
+  import t5forge
+  from t5forge.nn import quant
+  from hf_reference import hf_forward, load_hf_model
   path = hf_dirs("flan")
   f32 = t5forge.load(path)
   enc, dec = random_batch(f32.config.vocab_size, batch=2, enc_len=40, dec_len=30)
@@ -311,10 +311,10 @@ def test_int8_matmul_error_is_bounded():
 
 
 def test_int8_refuses_training_and_saving(hf_dirs, tmp_path):
-  import t5forge  # pylint: disable=import-outside-toplevel
-  from t5forge.errors import UserError  # pylint: disable=import-outside-toplevel
-  from t5forge.train import optim  # pylint: disable=import-outside-toplevel
-  from t5forge.train.step import make_train_step  # pylint: disable=import-outside-toplevel
+  import t5forge
+  from t5forge.errors import UserError
+  from t5forge.train import optim
+  from t5forge.train.step import make_train_step
   q = t5forge.load(hf_dirs("flan"), weight_dtype="int8")
   with pytest.raises(UserError, match="inference only"):
     make_train_step(EncoderDecoderModel(q.config), optim.adamw(1e-3))

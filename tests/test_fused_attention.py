@@ -236,7 +236,7 @@ def test_cudnn_matches_float32_reference_and_is_fused(kind):
   with jax.default_matmul_precision("highest"):  # a float32 reference, not TF32
     ref = _grads(_ours, q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
                  bias, mask_bias.astype(jnp.float32))
-  cudnn = lambda *a: fa.fused_attention(*a, implementation="cudnn")  # noqa: E731
+  cudnn = lambda *a: fa.fused_attention(*a, implementation="cudnn")
   got = _grads(cudnn, q, k, v, bias, mask_bias)
   for name, g, r in zip(NAMES, got, ref):
     _close(g, r, CUDNN_REL, f"{kind} {name}")

@@ -170,9 +170,9 @@ def test_decoder_only_cached_generation_equals_recomputation():
   """Prompts of different lengths in one batch (left-aligned in the input, right-aligned
   in the cache): each continuation equals greedy decoding by recomputing the whole
   sequence at every step, for a causal LM and for a prefix-LM (bidirectional inputs)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from t5forge.models import DecoderOnlyModel  # pylint: disable=import-outside-toplevel
-  from t5forge.nn import ModelConfig  # pylint: disable=import-outside-toplevel
+  import jax
+  from t5forge.models import DecoderOnlyModel
+  from t5forge.nn import ModelConfig
   cfg = ModelConfig(vocab_size=60, emb_dim=32, num_heads=4, head_dim=8, mlp_dim=64,
                     num_encoder_layers=0, num_decoder_layers=3, dropout_rate=0.0,
                     architecture="decoder_only")
@@ -203,7 +203,7 @@ def test_decoder_only_cached_generation_equals_recomputation():
 
 
 def test_bad_decoding_options_give_one_line():
-  from t5forge.errors import UserError  # pylint: disable=import-outside-toplevel
+  from t5forge.errors import UserError
   m = t5forge.init("t5_1_1.tiny", vocab_size=64)
   enc = np.ones((1, 4), np.int32)
   for kw, text in ((dict(method="sample", topk=5, topp=0.9), "exclude"),

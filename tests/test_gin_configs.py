@@ -22,13 +22,13 @@ REQUIRED = ['MODEL_DIR="/tmp/unused"', "MIXTURE_OR_TASK_NAME='bible_translate_en
 
 
 def _model_from_gin():
-  import gin  # pylint: disable=import-outside-toplevel
+  import gin
   return gin.query_parameter("MODEL/macro.value").scoped_configurable_fn()
 
 
 def test_model_gins_are_generated_from_the_presets():
   sys.path.insert(0, os.path.join(ROOT, "tools"))
-  import make_model_gins  # pylint: disable=import-outside-toplevel
+  import make_model_gins
   assert len(MODEL_GINS) == len(presets.names())
   for name in presets.names():
     family, size = name.split(".")
@@ -56,7 +56,7 @@ def test_eval_and_infer_gins_parse(path):
   gin_flags.parse([os.path.join(CONFIGS, "models", "t5_1_1", "tiny.gin"), path],
                   ['CHECKPOINT_PATH="/tmp/unused"', output_dir,
                    "MIXTURE_OR_TASK_NAME='bible_translate_en_es'"])
-  import gin  # pylint: disable=import-outside-toplevel
+  import gin
   fn = "eval_script.evaluate" if "eval" in path else "infer_script.infer_task"
   assert gin.query_parameter(f"{fn}.restore_checkpoint_cfg") is not None
   assert _model_from_gin().config.vocab_size > 0
@@ -75,8 +75,8 @@ def test_run_and_example_gins_parse(path, tmp_path):
     initial = [f"INITIAL_CHECKPOINT_PATH='{tmp_path}'"]
   gin_flags.parse(files, ['MODEL_DIR="/tmp/unused"', *initial]
                   + ([] if "examples" in path else REQUIRED[1:]))
-  import gin  # pylint: disable=import-outside-toplevel
-  from t5forge.train import loop  # pylint: disable=import-outside-toplevel
+  import gin
+  from t5forge.train import loop
   assert gin.query_parameter("train_script.train.model_dir") is not None
   assert _model_from_gin().config.vocab_size > 0
   del loop
@@ -87,7 +87,7 @@ def test_the_guides_finetune_gin_runs_with_paths_changed(tmp_path):
   set the macros. Changed: the include paths, the task module, the task (bundled), the
   checkpoint (an HF directory of flan-t5-small's shape with random weights), and, for the
   test's speed, lengths, steps and batch size."""
-  from hf_reference import VARIANTS, build_hf_dir  # pylint: disable=import-outside-toplevel
+  from hf_reference import VARIANTS, build_hf_dir
   VARIANTS["flan_small"] = ("t5", dict(feed_forward_proj="gated-gelu", d_model=512, d_kv=64,
                                        num_heads=6, d_ff=1024, num_layers=8,
                                        num_decoder_layers=8, vocab_size=32128), "4.x")

@@ -38,7 +38,7 @@ def test_command_line_macro_that_no_gin_uses_is_refused_with_the_closest_name():
                                    "TRAIN_STEPS=1", "INITIAL_CHECKPOINT_PATH='/tmp/ckpt'"])
   # A macro that is used is accepted, also through --gin_bindings.
   gin_flags.parse(files, ['MODEL_DIR="/tmp/unused"', "TRAIN_STEPS=10"])
-  import gin  # pylint: disable=import-outside-toplevel
+  import gin
   assert gin.query_parameter("TRAIN_STEPS/macro.value") == 10
 
 
@@ -100,20 +100,20 @@ def test_gin_import_of_user_tasks_uses_gin_search_paths(tmp_path):
     gin_flags.parse([str(user / "my.gin")], ['MODEL_DIR="/tmp/unused"'])
   # With --gin_search_paths (T5X's user-directory recipe) the module imports and registers.
   gin_flags.parse(["my.gin"], ['MODEL_DIR="/tmp/unused"'], [str(user)])
-  from t5forge import data  # pylint: disable=import-outside-toplevel
+  from t5forge import data
   assert data.get_mixture_or_task("issue15_user_task").name == "issue15_user_task"
 
 
 def test_unknown_task_says_how_user_tasks_are_registered():
-  from t5forge import data  # pylint: disable=import-outside-toplevel
+  from t5forge import data
   with pytest.raises(UserError, match=r"unknown task.*--module tasks.*MIXTURE_OR_TASK_MODULE"):
     data.get_mixture_or_task("my_wmt_task")
 
 
 def test_model_gin_of_another_size_in_t5x_style_infer_is_one_line(tmp_path):
-  import jax  # pylint: disable=import-outside-toplevel
-  from t5forge import nn, presets  # pylint: disable=import-outside-toplevel
-  from t5forge.convert import native  # pylint: disable=import-outside-toplevel
+  import jax
+  from t5forge import nn, presets
+  from t5forge.convert import native
   config = presets.get("t5_1_1.tiny", vocab_size=8000)
   native.save(str(tmp_path / "ckpt"), config, nn.init_params(config, jax.random.key(0)))
   msg = error_line(_cli(

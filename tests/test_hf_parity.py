@@ -77,7 +77,7 @@ def test_bfloat16_is_as_accurate_as_torch_autocast(variant, hf_dirs):
   """dtype='bfloat16' (bf16 matmul operands, float32 accumulation and residual stream)
   against transformers under torch.autocast(bfloat16), both measured against float32
   transformers: our error is within 1.2x of autocast's (measured 0.86x flan, 1.05x T5 1.0)."""
-  import torch  # pylint: disable=import-outside-toplevel
+  import torch
   path = hf_dirs(variant)
   hf_model = load_hf_model(path)
   bf16 = t5forge.load(path, dtype="bfloat16")

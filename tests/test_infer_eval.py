@@ -1,7 +1,6 @@
 """`t5forge infer` and `t5forge eval` end to end: T5X's JSONL, resuming after a kill,
 skipping evaluated checkpoints, the shortened demo, and bad input."""
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -179,11 +179,11 @@ def test_trainers_partial_infer_eval_does_not_stand_for_the_split(model_dir, tmp
   """The issue's case: training's hook scored the first examples; `t5forge eval` then
   evaluates the whole split (it used to skip the step as "already evaluated"), and skips
   it only when asked for what the hook did."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from t5forge import evaluate, models  # pylint: disable=import-outside-toplevel
-  from t5forge.convert import load_checkpoint  # pylint: disable=import-outside-toplevel
-  from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
-  from t5forge.train.settings import DatasetConfig  # pylint: disable=import-outside-toplevel
+  import jax
+  from t5forge import evaluate, models
+  from t5forge.convert import load_checkpoint
+  from t5forge.data import vocab_io
+  from t5forge.train.settings import DatasetConfig
   monkeypatch.syspath_prepend(str(model_dir.parent / "user"))
   ckpt = load_checkpoint(str(model_dir))
   model = models.model_for(ckpt.config,

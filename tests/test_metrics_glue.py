@@ -27,7 +27,7 @@ def test_t5_metrics_test_values():
   assert metrics.mean_group_metric(metrics.accuracy, return_subgroup_scores=True)(
       groups, preds) == {"accuracy": 25.0, "a-accuracy": 50.0, "b-accuracy": 0.0}
   # Lowercased, "sentence" matches "SENTENCE": one insertion ("different").
-  edits = lambda d: {"min_edit": d, "max_edit": d, "mean_edit": d, "median_edit": d,  # noqa: E731
+  edits = lambda d: {"min_edit": d, "max_edit": d, "mean_edit": d, "median_edit": d,
                      "sum_edit": d}
   target, prediction = ["This is a sentence."], ["This is a different SENTENCE."]
   assert metrics.edit_distance(target, prediction) == edits(1)
@@ -85,7 +85,7 @@ def test_edit_distance_words_against_nltk():
 
 def test_unknown_metric_name_says_what_exists():
   with pytest.raises(AttributeError) as info:
-    metrics.glue_f1_foo  # noqa: B018  (what a ported tasks.py with a typo does)
+    metrics.glue_f1_foo
   message = str(info.value)
   assert "'glue_f1_foo'" in message and "\n" not in message
   for name in ("mean_multiclass_f1", "f1_score_with_invalid", "matthews_corrcoef", "bleu"):

@@ -88,7 +88,7 @@ def test_dropout_is_off_by_default_and_keyed_when_on():
   enc = np.ones((2, 6), np.int32); dec = np.ones((2, 5), np.int32)
   base = _apply(CFG, params, enc, dec)
   np.testing.assert_array_equal(base, _apply(CFG, params, enc, dec))
-  on = lambda k: _apply(CFG, params, enc, dec, enable_dropout=True,  # noqa: E731
+  on = lambda k: _apply(CFG, params, enc, dec, enable_dropout=True,
                         rngs={"dropout": jax.random.key(k)})
   np.testing.assert_array_equal(on(0), on(0))
   assert not np.allclose(on(0), on(1)) and not np.allclose(on(0), base)

@@ -94,7 +94,7 @@ def test_infer_cli_refuses_a_mesh_that_does_not_fit(ckpt, tmp_path):
 
 
 def test_opener_without_vocabulary_names_what_was_found(tmp_path):
-  from t5forge import opener  # pylint: disable=import-outside-toplevel
+  from t5forge import opener
   config = t5forge.presets.get("t5_1_1.tiny", vocab_size=256)
   path = str(tmp_path / "novocab")
   native.save(path, config, init_params(config, jax.random.key(0)))

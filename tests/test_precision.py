@@ -63,7 +63,7 @@ def _parse(tmp_path, gin_text, *bindings):
 
 
 def _dtype_bindings():
-  import gin  # pylint: disable=import-outside-toplevel
+  import gin
   return [l.strip() for l in gin.config_str().splitlines() if "ModelConfig.dtype" in l]
 
 
@@ -73,7 +73,7 @@ def test_unset_dtype_is_bound_to_the_choice(tmp_path, flags, want):
   _parse(tmp_path, AUTO_GIN)
   c = gin_flags.apply_precision(platform="cpu", flags=flags)
   assert (c.dtype, c.auto) == (want, True)
-  import gin  # pylint: disable=import-outside-toplevel
+  import gin
   assert gin.query_parameter("network.ModelConfig.dtype") == want
   assert _dtype_bindings() == [f"network.ModelConfig.dtype = '{want}'"]
 
@@ -86,7 +86,7 @@ def test_a_dtype_the_run_sets_is_kept(tmp_path, where):
     _parse(tmp_path, AUTO_GIN, "network.ModelConfig.dtype='float32'")
   c = gin_flags.apply_precision(platform="cpu", flags=frozenset({"avx512_bf16"}))
   assert (c.dtype, c.auto, c.line) == ("float32", False, "precision: float32 (as the run asks)")
-  import gin  # pylint: disable=import-outside-toplevel
+  import gin
   assert gin.query_parameter("network.ModelConfig.dtype") == "float32"
 
 
@@ -109,7 +109,7 @@ def test_train_prints_the_choice_records_it_and_reports_held_out_loss(tmp_path, 
                                                                       capsys):
   """A 2-step run with no dtype on a (faked) bf16 CPU: the precision line, dtype in
   config.gin, and the held-out loss at every EVAL_PERIOD (1 here)."""
-  from t5forge.cli import train  # pylint: disable=import-outside-toplevel
+  from t5forge.cli import train
   monkeypatch.setattr(precision, "cpu_flags", lambda *_: frozenset({"avx512_bf16"}))
   monkeypatch.delenv("T5FORGE_PROGRESS", raising=False)
   path = tmp_path / "run.gin"

@@ -16,8 +16,8 @@ ENC_DEC = [n for n in presets.names()
 
 
 def _hf_count(cfg) -> int:
-  import torch  # pylint: disable=import-outside-toplevel
-  import transformers  # pylint: disable=import-outside-toplevel
+  import torch
+  import transformers
   fields = hf_config_from(cfg)
   fields = {k: v for k, v in fields.items() if k not in ("architectures", "model_type",
                                                           "scale_decoder_outputs")}

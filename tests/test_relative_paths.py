@@ -88,7 +88,7 @@ INITIAL_CHECKPOINT_PATH = 'run'
 
 
 def test_an_orbax_failure_is_not_called_a_config_mismatch(work, tmp_path):
-  import shutil  # pylint: disable=import-outside-toplevel
+  import shutil
   ckpt = tmp_path / "ckpt"
   shutil.copytree(work / "run" / "checkpoint_3", ckpt)
   for p in (ckpt / "params").rglob("*"):

@@ -120,7 +120,7 @@ def test_scanned_bfloat16_projection_keeps_its_operand():
   """A bf16 projection (`matmul.dense`) in a scanned stack keeps its bf16 operand, as
   uint16 bits, for the kernel gradient: not its float32 inputs (and, for a norm's
   output, a bf16 copy that XLA:CPU wrote per layer through the whole stack)."""
-  from t5forge.nn import matmul  # pylint: disable=import-outside-toplevel
+  from t5forge.nn import matmul
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.normal(size=(2, 16, 8)), jnp.float32)
   w = jnp.asarray(rng.normal(size=(8, 4)), jnp.float32)
@@ -138,9 +138,9 @@ def test_scanned_bfloat16_projection_keeps_its_operand():
 def test_scanned_bfloat16_gradient_equals_the_loop(hf_dirs):
   """bf16 with scan (its residuals kept as uint16 bits): the gradient of the bf16 loop,
   up to bfloat16 rounding in other fusions."""
-  from hf_reference import random_batch  # pylint: disable=import-outside-toplevel
-  from t5forge.convert.hf import load_hf, params_to_state  # pylint: disable=import-outside-toplevel
-  from t5forge.models import EncoderDecoderModel  # pylint: disable=import-outside-toplevel
+  from hf_reference import random_batch
+  from t5forge.convert.hf import load_hf, params_to_state
+  from t5forge.models import EncoderDecoderModel
   config, params = load_hf(hf_dirs("flan"))
   config = config.replace(dtype="bfloat16")
   enc, dec = random_batch(config.vocab_size, batch=2, enc_len=20, dec_len=12)
@@ -165,7 +165,7 @@ def test_scanned_mlp_keeps_its_activation(dtype):
   after the projection) for its backward loop instead of recomputing it there from the
   saved projection: that recompute, with the tanh's derivative, took the MLP's gradient
   fusion from 0.41 to 0.87 s of a flan-t5-small bf16 step's op time (AMD EPYC)."""
-  from t5forge.nn import layers  # pylint: disable=import-outside-toplevel
+  from t5forge.nn import layers
   mlp = layers.MlpBlock(intermediate_dim=16, activations=("gelu", "linear"), dtype=dtype)
   x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 8, 4)), jnp.float32)
   params = mlp.init(jax.random.key(0), x, True)

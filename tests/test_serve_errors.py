@@ -162,7 +162,7 @@ def test_startup_errors_are_one_line(tmp_path):
   line = error_line(_serve("--checkpoint", missing, "--port", "0"))
   assert missing in line and "no such" in line, line
   # A checkpoint saved without a vocabulary: say what was found and how to give one.
-  import t5forge  # pylint: disable=import-outside-toplevel
+  import t5forge
   bare = str(tmp_path / "bare")
   t5forge.init("t5_1_1.tiny", vocab_size=8100).save(bare)
   line = error_line(_serve("--checkpoint", bare, "--port", "0"))

@@ -78,7 +78,7 @@ def test_openai_client_matches_t5forge_infer(client, infer_texts):
 
 def test_sse_wire_format(server):
   """The bytes on the wire: `data: {json}` events, then `data: [DONE]`."""
-  import urllib.request  # pylint: disable=import-outside-toplevel
+  import urllib.request
   req = urllib.request.Request(server.url + "/v1/completions", data=json.dumps(
       {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "stream": True}).encode(),
       headers={"Content-Type": "application/json"})
@@ -92,7 +92,7 @@ def test_sse_wire_format(server):
 
 def _reference(ckpt, prompts, max_new: int) -> dict:
   """Greedy tokens of each prompt alone (batch of one) through the Python API."""
-  import t5forge  # pylint: disable=import-outside-toplevel
+  import t5forge
   m = t5forge.load(ckpt)
   out = {}
   for p in prompts:
@@ -105,7 +105,7 @@ def _reference(ckpt, prompts, max_new: int) -> dict:
 
 def test_32_concurrent_clients_equal_unbatched(server, ckpt):
   ref = _reference(ckpt, PROMPTS, MAX_TOKENS)
-  import t5forge  # pylint: disable=import-outside-toplevel
+  import t5forge
   vocab = t5forge.load(ckpt).vocabulary
   jobs = [(PROMPTS[i % len(PROMPTS)], 1 + (i * 5) % MAX_TOKENS) for i in range(256)]
   results, errors = [None] * len(jobs), []

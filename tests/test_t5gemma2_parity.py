@@ -96,7 +96,7 @@ def test_each_feature_changes_the_logits(change, models):
 
 
 def test_scanned_layers_equal_the_loop(models):
-  from t5forge.nn import stack  # pylint: disable=import-outside-toplevel
+  from t5forge.nn import stack
   ours, _, _ = models
   enc, dec = random_batch()
   scanned = t5forge.Model(ours.config.replace(scan_layers=True, remat_policy="full"),
@@ -131,8 +131,8 @@ def test_greedy_tokens_equal_transformers_generate(models):
 def test_beam_search_over_the_merged_cache_scores_its_beams(models):
   """Beams expand and reorder both caches (decoder and encoder keys/values) on the batch
   axis: the best beam's score is its teacher-forced log-likelihood (alpha 0)."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from t5forge import decoding  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp
+  from t5forge import decoding
   ours, _, _ = models
   model, params = ours.model, ours.params
   enc, _ = random_batch(seed=4)
@@ -151,7 +151,7 @@ def test_beam_search_over_the_merged_cache_scores_its_beams(models):
 
 @pytest.mark.slow  # 35-60 s on the shared 2-core AMD EPYC (three more compiles)
 def test_bfloat16_and_int8_stay_close_to_float32(models):
-  from t5forge.nn import quant  # pylint: disable=import-outside-toplevel
+  from t5forge.nn import quant
   ours, _, _ = models
   enc, dec = random_batch()
   ref = jax.nn.log_softmax(ours.logits(enc, dec))
@@ -175,10 +175,10 @@ def test_parameter_counts_equal_transformers_text_model():
   """jax.eval_shape counts (no memory) against transformers' model on the meta device,
   its vision tower and projector left out: the tiny preset and a Gemma 3 1B-shaped
   config (26 layers, width 1152, 4 heads over 1, head_dim 256, 262,144 ids)."""
-  import torch  # pylint: disable=import-outside-toplevel
-  import transformers  # pylint: disable=import-outside-toplevel
-  from t5forge import presets  # pylint: disable=import-outside-toplevel
-  from t5forge.convert.hf import t5gemma2 as hf_t5gemma2  # pylint: disable=import-outside-toplevel
+  import torch
+  import transformers
+  from t5forge import presets
+  from t5forge.convert.hf import t5gemma2 as hf_t5gemma2
   tiny = presets.get("t5gemma2.tiny")
   big = tiny.replace(vocab_size=262144, emb_dim=1152, num_heads=4, num_kv_heads=1,
                      head_dim=256, mlp_dim=6912, num_encoder_layers=26, num_decoder_layers=26,
@@ -197,7 +197,7 @@ def test_parameter_counts_equal_transformers_text_model():
 
 
 def test_score_equals_transformers_summed_log_probs(models):
-  from hf_t5gemma_reference import hf_summed_log_probs  # pylint: disable=import-outside-toplevel
+  from hf_t5gemma_reference import hf_summed_log_probs
   ours, _, hf64 = models
   rng = np.random.default_rng(5)
   inputs = [list(rng.integers(3, 256, n)) for n in (30, 11, 22)]
@@ -215,7 +215,7 @@ def test_packed_rows_equal_separate_examples(models):
   """Two examples packed in one row (segment ids, restarting positions; windows shorter
   than the segments) give each example's own logits: the merged attention's encoder part
   is masked by segment too."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp
   ours, _, _ = models
   logits = jax.jit(ours.model.logits)
   rng = np.random.default_rng(3)
@@ -225,8 +225,8 @@ def test_packed_rows_equal_separate_examples(models):
                                 "decoder_input_tokens": jnp.asarray(
                                     np.concatenate([[0], t[:-1]])[None], jnp.int32)})[0]
            for e, t in zip(enc, tgt)]
-  seg = lambda xs: np.concatenate([np.full(len(x), i + 1) for i, x in enumerate(xs)])  # noqa: E731
-  pos = lambda xs: np.concatenate([np.arange(len(x)) for x in xs])  # noqa: E731
+  seg = lambda xs: np.concatenate([np.full(len(x), i + 1) for i, x in enumerate(xs)])
+  pos = lambda xs: np.concatenate([np.arange(len(x)) for x in xs])
   packed = {"encoder_input_tokens": np.concatenate(enc), "encoder_segment_ids": seg(enc),
             "encoder_positions": pos(enc),
             "decoder_input_tokens": np.concatenate([np.concatenate([[0], t[:-1]]) for t in tgt]),
@@ -254,10 +254,10 @@ def test_convert_cli_to_t5forge_and_back_to_hf_keeps_weights_and_tokenizer(
     hf_dir, tmp_path, capsys):
   """`t5forge convert`: T5Gemma 2 HF dir with a tokenizer.json -> t5forge checkpoint ->
   HF dir again: the same weights and tokenizer; the note says the vision tower is not."""
-  import shutil  # pylint: disable=import-outside-toplevel
-  from hf_t5gemma_reference import (  # pylint: disable=import-outside-toplevel
+  import shutil
+  from hf_t5gemma_reference import (
       write_tokenizer_config, write_tokenizer_json)
-  from t5forge.cli import convert as convert_cli  # pylint: disable=import-outside-toplevel
+  from t5forge.cli import convert as convert_cli
   d = str(tmp_path / "with_tokenizer")
   shutil.copytree(hf_dir, d)
   write_tokenizer_json(os.path.join(d, "tokenizer.json"), 256)
@@ -278,7 +278,7 @@ def test_convert_cli_to_t5forge_and_back_to_hf_keeps_weights_and_tokenizer(
 def test_eos_ids_from_generation_config_round_trip(hf_dir, tmp_path):
   """generation_config.json's eos list (<eos> 1, Gemma 3's <end_of_turn> 106) becomes
   eos_token_ids and is written back."""
-  import shutil  # pylint: disable=import-outside-toplevel
+  import shutil
   d = str(tmp_path / "it")
   shutil.copytree(hf_dir, d)
   with open(os.path.join(d, "generation_config.json"), encoding="utf-8") as f:
@@ -295,8 +295,8 @@ def test_eos_ids_from_generation_config_round_trip(hf_dir, tmp_path):
 
 def test_vision_weights_are_skipped(hf_dir):
   """The saved directory holds a vision tower and projector; reading keeps the text."""
-  from t5forge.convert import hf  # pylint: disable=import-outside-toplevel
-  from t5forge.convert.hf import t5gemma2 as hf_t5gemma2  # pylint: disable=import-outside-toplevel
+  from t5forge.convert import hf
+  from t5forge.convert.hf import t5gemma2 as hf_t5gemma2
   names = hf.load_hf_state(hf_dir)
   vision = [n for n in names if n.startswith(hf_t5gemma2.VISION_PREFIXES)]
   assert vision and "model.encoder.embed_tokens.eoi_embedding" in names
@@ -306,7 +306,7 @@ def test_vision_weights_are_skipped(hf_dir):
 
 
 def _edit(hf_dir, tmp_path, edit):
-  import shutil  # pylint: disable=import-outside-toplevel
+  import shutil
   out = str(tmp_path / "edited")
   shutil.copytree(hf_dir, out)
   with open(os.path.join(out, "config.json"), encoding="utf-8") as f:
@@ -332,7 +332,7 @@ def test_configs_we_cannot_represent_are_one_line_errors(edit, words, hf_dir, tm
 
 
 def test_config_errors_name_the_field():
-  from t5forge.nn.config import ModelConfig  # pylint: disable=import-outside-toplevel
+  from t5forge.nn.config import ModelConfig
   base = dict(vocab_size=256, emb_dim=64, num_heads=4, head_dim=16, mlp_dim=96,
               num_encoder_layers=2, num_decoder_layers=2, architecture="t5gemma2",
               logits_via_embedding=True, scale_logits=False)

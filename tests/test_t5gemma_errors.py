@@ -129,9 +129,9 @@ def test_convert_and_infer_cli_say_one_line_and_write_nothing(files, tmp_path):
 
 
 def test_tokenizer_missing_or_larger_than_the_model_is_one_line(files, tmp_path):
-  from t5forge import opener  # pylint: disable=import-outside-toplevel
-  from t5forge.infer import infer_task  # pylint: disable=import-outside-toplevel
-  from t5forge.train.settings import RestoreCheckpointConfig  # pylint: disable=import-outside-toplevel
+  from t5forge import opener
+  from t5forge.infer import infer_task
+  from t5forge.train.settings import RestoreCheckpointConfig
   bare = _variant(files, tmp_path, tokenizer=None)
   (tmp_path / "in.txt").write_text("In the beginning\n")
   with pytest.raises(UserError) as e:
@@ -152,8 +152,8 @@ def test_tokenizer_missing_or_larger_than_the_model_is_one_line(files, tmp_path)
 def test_saved_config_error_names_its_file():
   """A native checkpoint's saved config is read by ModelConfig.from_dict: its errors name
   the file, as an HF config.json's do."""
-  from t5forge import presets  # pylint: disable=import-outside-toplevel
-  from t5forge.nn.config import ModelConfig  # pylint: disable=import-outside-toplevel
+  from t5forge import presets
+  from t5forge.nn.config import ModelConfig
   saved = {**presets.get("t5gemma.tiny").to_dict(), "num_kv_heads": 3}
   with pytest.raises(UserError) as e:
     ModelConfig.from_dict(saved, source="ckpt/checkpoint_10/config")
@@ -191,7 +191,7 @@ def test_train_from_a_bad_hf_dir_or_gin_is_one_line(files, tmp_path):
 
 def _hf_greedy(model, enc: np.ndarray, eos) -> np.ndarray:
   """transformers' greedy `generate` stopping on `eos` (an id or a list) -> [b, STEPS]."""
-  import torch  # pylint: disable=import-outside-toplevel
+  import torch
   x = torch.tensor(enc, dtype=torch.long)
   with torch.no_grad():
     out = model.generate(input_ids=x, attention_mask=(x != PAD).long(), do_sample=False,
@@ -211,8 +211,8 @@ def instruct(tmp_path_factory, files):
   want (transformers' greedy tokens with eos [1, 107]), row, at (the row and position
   where 107 ends it), before (transformers' tokens stopping on 1 only).
   """
-  from safetensors.numpy import load_file, save_file  # pylint: disable=import-outside-toplevel
-  from t5forge.data.vocab import SentencePieceVocabulary  # pylint: disable=import-outside-toplevel
+  from safetensors.numpy import load_file, save_file
+  from t5forge.data.vocab import SentencePieceVocabulary
   d = build_hf_dir("gqa", str(tmp_path_factory.mktemp("instruct") / "it"))
   shutil.copy(files[256], os.path.join(d, "tokenizer.model"))
   write_tokenizer_config(d)
@@ -265,7 +265,7 @@ def test_greedy_stops_on_end_of_turn_as_transformers(instruct):
 
 
 def test_beam_search_and_chunked_generation_stop_on_end_of_turn(instruct):
-  from t5forge import generation  # pylint: disable=import-outside-toplevel
+  from t5forge import generation
   ours, enc, row, at = instruct["model"], instruct["enc"], instruct["row"], instruct["at"]
 
   def ended_rows(model):
@@ -293,8 +293,8 @@ def test_beam_search_and_chunked_generation_stop_on_end_of_turn(instruct):
 
 
 def test_infer_cuts_at_end_of_turn_and_leaves_it_out_of_the_text(instruct, tmp_path):
-  from t5forge.infer import infer_task  # pylint: disable=import-outside-toplevel
-  from t5forge.train.settings import DatasetConfig, RestoreCheckpointConfig  # pylint: disable=import-outside-toplevel
+  from t5forge.infer import infer_task
+  from t5forge.train.settings import DatasetConfig, RestoreCheckpointConfig
   row, at, want = instruct["row"], instruct["at"], instruct["want"]
   src = tmp_path / "in.txt"
   src.write_text("\n".join(instruct["lines"]) + "\n")
@@ -314,8 +314,8 @@ def test_infer_cuts_at_end_of_turn_and_leaves_it_out_of_the_text(instruct, tmp_p
 
 
 def test_eos_list_survives_conversion_both_ways(instruct, tmp_path):
-  import transformers  # pylint: disable=import-outside-toplevel
-  from t5forge.cli import convert as convert_cli  # pylint: disable=import-outside-toplevel
+  import transformers
+  from t5forge.cli import convert as convert_cli
   native_dir, hf_dir = str(tmp_path / "native"), str(tmp_path / "back")
   assert convert_cli.main(["--input", instruct["dir"], "--output", native_dir,
                            "--to", "t5forge"]) == 0
@@ -347,7 +347,7 @@ def test_bad_eos_list_is_one_line(files, tmp_path, value, says):
 
 def _script_logits(script: list[int], vocab: int = 16):
   """tokens_to_logits that emits script[i] at decode step i (a one-hot logit)."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp
   table = jax.nn.one_hot(jnp.asarray(script + [0]), vocab) * 10.0
 
   def step(state):
@@ -359,7 +359,7 @@ def _script_logits(script: list[int], vocab: int = 16):
 def test_decode_functions_stop_on_any_of_several_ids_and_t5_stays_one_id():
   """Constructed logits [5, 7, 9, 1, 4]: with eos 1 the decode ends at 1 (T5's single id,
   the same comparison as before), with (1, 7) at 7; beam search alike."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp
   inputs = jnp.zeros((1, 6), jnp.int32)
   step = _script_logits([5, 7, 9, 1, 4])
   cache = {"index": jnp.zeros((), jnp.int32)}
@@ -375,7 +375,7 @@ def test_decode_functions_stop_on_any_of_several_ids_and_t5_stays_one_id():
   assert decoding.text_ids([5, 7, 9, 1], 1) == [5, 7, 9, 1]
   assert decoding.text_ids([5, 7, 0, 0], (1, 7)) == [5]
   assert decoding.text_ids([5, 1, 7, 0], (1, 7)) == [5, 1]
-  from t5forge import models, presets  # pylint: disable=import-outside-toplevel
+  from t5forge import models, presets
   t5 = models.model_for(presets.get("t5_1_1.tiny"))
   assert t5.stop_ids == 1 and isinstance(t5.stop_ids, int)  # no eos_token_ids: T5's path
 
@@ -383,7 +383,7 @@ def test_decode_functions_stop_on_any_of_several_ids_and_t5_stays_one_id():
 def test_serve_stops_on_end_of_turn(instruct):
   """`t5forge serve` on the directory: the completion ends at 107 ("stop"), its text
   without it, the usage counting it; streamed deltas join to the same text."""
-  from t5forge import testing as sh  # pylint: disable=import-outside-toplevel
+  from t5forge import testing as sh
   row, at, want = instruct["row"], instruct["at"], instruct["want"]
   vocab = instruct["model"].vocabulary
   srv = sh.Server(instruct["dir"], "--max_batch_size", "1", "--batch_buckets", "1",
@@ -406,7 +406,7 @@ def test_serve_stops_on_end_of_turn(instruct):
 def test_jax_export_stops_on_end_of_turn(instruct, tmp_path):
   """`t5forge export --format jax` of the directory: the manifest lists both stop ids, the
   exported loop ends the row at 107 as the live model does, and its text leaves 107 out."""
-  from t5forge.export import loader as exported  # pylint: disable=import-outside-toplevel
+  from t5forge.export import loader as exported
   row, at, want, enc = instruct["row"], instruct["at"], instruct["want"], instruct["enc"]
   out = str(tmp_path / "export")
   r = _cli("export", "--checkpoint", instruct["dir"], "--output", out, "--format", "jax",

@@ -20,7 +20,7 @@ TINY = ["tiny", "tiny_gqa"]
 def _hf_config(cfg):
   """transformers' T5GemmaConfig of the same shape (written here from the HF docs'
   field names, independently of t5forge/convert)."""
-  import transformers  # pylint: disable=import-outside-toplevel
+  import transformers
   enc = cfg.encoder
 
   def module(c, layers):
@@ -38,8 +38,8 @@ def _hf_config(cfg):
 
 
 def _hf_meta_model(cfg):
-  import torch  # pylint: disable=import-outside-toplevel
-  import transformers  # pylint: disable=import-outside-toplevel
+  import torch
+  import transformers
   with torch.device("meta"):
     return transformers.T5GemmaForConditionalGeneration(_hf_config(cfg))
 
@@ -198,7 +198,7 @@ def test_scan_and_remat_equal_the_loop():
   assert jax.tree.map(lambda x: tuple(x.shape), stacked) == want
   np.testing.assert_allclose(jax.jit(scanned.logits)(stacked, batch),
                              jax.jit(model.logits)(params, batch), atol=1e-5, rtol=1e-5)
-  grad = lambda m, p: jax.jit(jax.grad(lambda q: m.loss_fn(q, batch, None)[0]))(p)  # noqa: E731
+  grad = lambda m, p: jax.jit(jax.grad(lambda q: m.loss_fn(q, batch, None)[0]))(p)
   g_loop = stack_layers(jax.tree.map(np.asarray, grad(model, params)))
   g_scan = grad(scanned, stacked)
   for a, b in zip(jax.tree.leaves(g_loop), jax.tree.leaves(g_scan)):
@@ -266,8 +266,8 @@ def test_packed_rows_equal_separate_examples():
     dec_in = np.concatenate([[0], t[:-1]]).astype(np.int32)
     alone.append(logits(params, {"encoder_input_tokens": jnp.asarray(e[None]),
                                  "decoder_input_tokens": jnp.asarray(dec_in[None])})[0])
-  seg = lambda xs: np.concatenate([np.full(len(x), i + 1) for i, x in enumerate(xs)])  # noqa: E731
-  pos = lambda xs: np.concatenate([np.arange(len(x)) for x in xs])  # noqa: E731
+  seg = lambda xs: np.concatenate([np.full(len(x), i + 1) for i, x in enumerate(xs)])
+  pos = lambda xs: np.concatenate([np.arange(len(x)) for x in xs])
   dec_in = np.concatenate([np.concatenate([[0], t[:-1]]) for t in tgt])
   packed = {"encoder_input_tokens": np.concatenate(enc), "encoder_segment_ids": seg(enc),
             "encoder_positions": pos(enc), "decoder_input_tokens": dec_in,

@@ -136,7 +136,7 @@ def test_export_loads_in_transformers_with_the_same_logits(variant, models, tmp_
 def test_sharded_safetensors_read_and_written(gemma_dirs, tmp_path):
   """transformers' sharded save reads as the single file does; ours writes shards with an
   index that transformers and we read back."""
-  from t5forge.convert import hf  # pylint: disable=import-outside-toplevel
+  from t5forge.convert import hf
   single = t5forge.convert.load_checkpoint(gemma_dirs("gqa"))
   sharded_dir = build_hf_dir("gqa", str(tmp_path / "sharded"), max_shard_size="100KB")
   assert os.path.isfile(os.path.join(sharded_dir, "model.safetensors.index.json"))
@@ -169,7 +169,7 @@ def tokenizer_files(tmp_path_factory):
 
 def _dir_with(gemma_dirs, tmp_path, files: dict) -> str:
   """A copy of the mha directory (config + weights) with the given tokenizer files."""
-  import shutil  # pylint: disable=import-outside-toplevel
+  import shutil
   d = str(tmp_path / "with_tokenizer")
   shutil.copytree(gemma_dirs("mha"), d)
   for name, src in files.items():
@@ -179,8 +179,8 @@ def _dir_with(gemma_dirs, tmp_path, files: dict) -> str:
 
 
 def test_tokenizer_model_read_with_sentencepiece(gemma_dirs, tokenizer_files, tmp_path):
-  from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
-  from t5forge.data.vocab import SentencePieceVocabulary  # pylint: disable=import-outside-toplevel
+  from t5forge.data import vocab_io
+  from t5forge.data.vocab import SentencePieceVocabulary
   d = _dir_with(gemma_dirs, tmp_path, {"tokenizer.model": tokenizer_files["model"],
                                        "tokenizer.json": tokenizer_files["json"]})
   m = t5forge.load(d)
@@ -200,9 +200,9 @@ def test_tokenizer_model_read_with_sentencepiece(gemma_dirs, tokenizer_files, tm
 
 def test_tokenizer_json_read_with_tokenizers_as_transformers_reads_it(gemma_dirs,
                                                                      tokenizer_files, tmp_path):
-  import transformers  # pylint: disable=import-outside-toplevel
-  from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
-  from t5forge.data.vocab import TokenizersVocabulary  # pylint: disable=import-outside-toplevel
+  import transformers
+  from t5forge.data import vocab_io
+  from t5forge.data.vocab import TokenizersVocabulary
   d = _dir_with(gemma_dirs, tmp_path, {"tokenizer.json": tokenizer_files["json"]})
   vocab = vocab_io.from_checkpoint(d)
   assert isinstance(vocab, TokenizersVocabulary)
@@ -224,7 +224,7 @@ def test_convert_cli_to_t5forge_and_back_to_hf_keeps_weights_and_tokenizer(
     gemma_dirs, tokenizer_files, tmp_path, capsys, tokenizer, kind):
   """`t5forge convert`: T5Gemma HF dir (one tokenizer file) -> t5forge checkpoint (the
   tokenizer inside its vocabulary spec) -> HF dir again: same weights, same tokenizer."""
-  from t5forge.cli import convert as convert_cli  # pylint: disable=import-outside-toplevel
+  from t5forge.cli import convert as convert_cli
   d = _dir_with(gemma_dirs, tmp_path, {tokenizer: tokenizer_files[tokenizer.split(".")[1]]})
   native_dir, hf_dir = str(tmp_path / "native"), str(tmp_path / "back")
   assert convert_cli.main(["--input", d, "--output", native_dir, "--to", "t5forge"]) == 0
@@ -237,13 +237,13 @@ def test_convert_cli_to_t5forge_and_back_to_hf_keeps_weights_and_tokenizer(
   with open(os.path.join(d, tokenizer), "rb") as a, open(
       os.path.join(hf_dir, tokenizer), "rb") as b:
     assert a.read() == b.read()
-  from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
+  from t5forge.data import vocab_io
   vocab = vocab_io.from_checkpoint(hf_dir)
   assert vocab == vocab_io.from_checkpoint(d)
   if kind == "tokenizers":
     # (transformers turns a tokenizer.model into its GemmaTokenizer assuming Gemma's own
     # settings, which this small unigram test model does not have; not compared.)
-    import transformers  # pylint: disable=import-outside-toplevel
+    import transformers
     text = "Now the earth was formless and empty."
     theirs = transformers.AutoTokenizer.from_pretrained(hf_dir)
     assert theirs(text, add_special_tokens=False)["input_ids"] == vocab.encode(text)
@@ -251,7 +251,7 @@ def test_convert_cli_to_t5forge_and_back_to_hf_keeps_weights_and_tokenizer(
 
 def test_tokenizer_missing_or_of_the_wrong_size_is_one_line(gemma_dirs, tokenizer_files,
                                                             tmp_path):
-  from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
+  from t5forge.data import vocab_io
   wrong = _dir_with(gemma_dirs, tmp_path, {"tokenizer.model": tokenizer_files["small"]})
   with pytest.raises(UserError, match=r"tokenizer.model: 200 ids, but config.json's "
                                       r"vocab_size is 256") as e:
@@ -267,7 +267,7 @@ def test_tokenizer_missing_or_of_the_wrong_size_is_one_line(gemma_dirs, tokenize
 # Bad input.
 
 def _edited(gemma_dirs, tmp_path, edit) -> str:
-  import shutil  # pylint: disable=import-outside-toplevel
+  import shutil
   d = str(tmp_path / "edited")
   shutil.copytree(gemma_dirs("gqa"), d)
   cfg = read_config(d)
@@ -313,10 +313,10 @@ def test_config_t5forge_cannot_represent_is_one_line(gemma_dirs, tmp_path, edit,
 def test_t5_checkpoint_given_to_a_t5gemma_model_names_the_first_parameter(hf_dirs, models):
   """As INITIAL_CHECKPOINT_PATH of a training run and as the checkpoint of `t5forge infer`
   with a T5Gemma model gin: one line naming both architectures and the first parameter."""
-  from t5forge import models as model_lib  # pylint: disable=import-outside-toplevel
-  from t5forge import opener  # pylint: disable=import-outside-toplevel
-  from t5forge.train.checkpoint import initial_params  # pylint: disable=import-outside-toplevel
-  from t5forge.train.settings import RestoreCheckpointConfig  # pylint: disable=import-outside-toplevel
+  from t5forge import models as model_lib
+  from t5forge import opener
+  from t5forge.train.checkpoint import initial_params
+  from t5forge.train.settings import RestoreCheckpointConfig
   ours, _, _ = models("mha")
   t5_dir = hf_dirs("t5_1_0")
   says = (r"\(a encoder_decoder checkpoint, the model is t5gemma\): .*parameter "
@@ -331,8 +331,8 @@ def test_t5_checkpoint_given_to_a_t5gemma_model_names_the_first_parameter(hf_dir
 
 def test_export_config_is_what_transformers_writes(models, tmp_path):
   """Our config.json reads back as transformers' own config of the same model."""
-  import transformers  # pylint: disable=import-outside-toplevel
-  from hf_t5gemma_reference import hf_config  # pylint: disable=import-outside-toplevel
+  import transformers
+  from hf_t5gemma_reference import hf_config
   ours, _, _ = models("gqa")
   out = str(tmp_path / "cfg")
   ours.save_hf(out)
@@ -354,9 +354,9 @@ def test_export_config_is_what_transformers_writes(models, tmp_path):
 def test_initial_checkpoint_path_starts_training_from_the_hf_weights(gemma_dirs, scan_layers):
   """INITIAL_CHECKPOINT_PATH = a T5Gemma HF directory: the model gin's parameters (either
   layout) are the directory's weights, nothing initialised fresh."""
-  from t5forge.nn import abstract_params  # pylint: disable=import-outside-toplevel
-  from t5forge.train.checkpoint import initial_params  # pylint: disable=import-outside-toplevel
-  from t5forge.train.settings import RestoreCheckpointConfig  # pylint: disable=import-outside-toplevel
+  from t5forge.nn import abstract_params
+  from t5forge.train.checkpoint import initial_params
+  from t5forge.train.settings import RestoreCheckpointConfig
   path = gemma_dirs("gqa")
   want = t5forge.convert.load_checkpoint(path, scan_layers=scan_layers)
   config = want.config

@@ -161,7 +161,7 @@ def hf_gqa(tmp_path_factory):
 def test_finetune_gin_starts_from_an_hf_t5gemma_directory(hf_gqa, tmp_path):
   """One step at learning rate 0 (min_learning_rate 0 too: the schedule's floor is 1e-8)
   saves exactly the directory's weights, so step 0 had them; none initialised fresh."""
-  from t5forge.convert import load_checkpoint  # pylint: disable=import-outside-toplevel
+  from t5forge.convert import load_checkpoint
   gin = tmp_path / "ft.gin"
   gin.write_text(GQA_GIN.format(path=hf_gqa))
   r = run_train(gin, tmp_path / "model",
@@ -176,14 +176,14 @@ def test_finetune_gin_starts_from_an_hf_t5gemma_directory(hf_gqa, tmp_path):
   assert params["decoder"]["layers"]["self_attention"]["key"]["kernel"].shape == (2, 48, 48)
   jax.tree.map(np.testing.assert_array_equal, params, jax.tree.map(np.asarray, want))
   # The run's vocabulary is the directory's tokenizer (256 pieces), not the task's 8k one.
-  from t5forge.data import vocab_io  # pylint: disable=import-outside-toplevel
+  from t5forge.data import vocab_io
   assert vocab_io.from_spec(native.read_config(path)["vocabulary"]).vocab_size == 256
 
 
 def test_t5_checkpoint_given_to_a_t5gemma_gin_names_the_parameter_and_the_fix(tmp_path):
   """From the CLI: an HF T5 directory as INITIAL_CHECKPOINT_PATH of a T5Gemma run."""
-  import torch  # pylint: disable=import-outside-toplevel
-  import transformers  # pylint: disable=import-outside-toplevel
+  import torch
+  import transformers
   hf = tmp_path / "hf_t5"
   torch.manual_seed(0)
   transformers.T5ForConditionalGeneration(transformers.T5Config(
@@ -211,11 +211,11 @@ def test_native_t5_checkpoint_and_the_reverse_direction(hf_gqa, tmp_path):
   """A t5forge T5 checkpoint given to a T5Gemma model, and an HF T5Gemma directory given
   to a T5 model (in-process, as the CLI calls it): the first parameter the model needs
   that does not fit, and the fix."""
-  import t5forge  # pylint: disable=import-outside-toplevel
-  from t5forge import presets  # pylint: disable=import-outside-toplevel
-  from t5forge.nn import abstract_params  # pylint: disable=import-outside-toplevel
-  from t5forge.train.checkpoint import initial_params  # pylint: disable=import-outside-toplevel
-  from t5forge.train.settings import RestoreCheckpointConfig  # pylint: disable=import-outside-toplevel
+  import t5forge
+  from t5forge import presets
+  from t5forge.nn import abstract_params
+  from t5forge.train.checkpoint import initial_params
+  from t5forge.train.settings import RestoreCheckpointConfig
   t5_dir = str(tmp_path / "t5")
   t5forge.init("t5_1_1.tiny", vocab_size=8000, seed=0).save(t5_dir)
   for path, model, says in (

@@ -2,7 +2,6 @@
 SIGKILL (also during an asynchronous save), runs start from HF and T5X checkpoints,
 the seed's fine-tuning gin runs, and bad input gets one clear line."""
 import glob
-import os
 import shutil
 
 import jax
@@ -131,7 +130,7 @@ utils.RestoreCheckpointConfig.assignment_map = (
   assert r.returncode == 0, r.stderr[-3000:]
   assert "initialised from" in r.stdout and "2 parameter(s) from scratch" in r.stdout
   _, params = final_params(tmp_path / "model")
-  from t5forge.convert import load_checkpoint  # pylint: disable=import-outside-toplevel
+  from t5forge.convert import load_checkpoint
   t5x_params = load_checkpoint(T5X_FIXTURE).params
   # Two steps away from the fixture's values: close to them, not equal.
   got = params["encoder"]["layers_0"]["mlp"]["wi_0"]["kernel"]
@@ -142,8 +141,8 @@ utils.RestoreCheckpointConfig.assignment_map = (
 def test_starts_from_an_hf_directory(tmp_path):
   """A random-init T5 1.0-shaped HF model (tied, ReLU) whose vocabulary covers the
   task's 8000 ids, fine-tuned with runs/finetune.gin."""
-  import torch  # pylint: disable=import-outside-toplevel
-  import transformers  # pylint: disable=import-outside-toplevel
+  import torch
+  import transformers
   hf = tmp_path / "hf_dir"
   torch.manual_seed(0)
   transformers.T5ForConditionalGeneration(transformers.T5Config(

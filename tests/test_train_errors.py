@@ -16,8 +16,8 @@ def test_batch_not_divisible_by_microbatches(tmp_path):
 
 def test_no_model_dir(tmp_path):
   gin = write_gin(tmp_path / "run.gin")
-  import subprocess, sys  # pylint: disable=import-outside-toplevel,multiple-imports
-  from train_helpers import ROOT  # pylint: disable=import-outside-toplevel
+  import subprocess, sys
+  from train_helpers import ROOT
   r = subprocess.run([sys.executable, "-m", "t5forge", "train", f"--gin_file={gin}"],
                      capture_output=True, text=True, cwd=ROOT, timeout=300)
   msg = error_line(r)
@@ -34,8 +34,8 @@ def test_model_dir_not_writable(tmp_path):
 
 def test_unquoted_path_unknown_binding_and_parameter(tmp_path):
   gin = write_gin(tmp_path / "run.gin")
-  import subprocess, sys  # pylint: disable=import-outside-toplevel,multiple-imports
-  from train_helpers import ROOT  # pylint: disable=import-outside-toplevel
+  import subprocess, sys
+  from train_helpers import ROOT
   r = subprocess.run([sys.executable, "-m", "t5forge", "train", f"--gin_file={gin}",
                       f"--gin.MODEL_DIR={tmp_path}/m"], capture_output=True, text=True, cwd=ROOT)
   assert "quoted" in error_line(r)
@@ -79,5 +79,5 @@ utils.create_learning_rate_scheduler.steps_per_decay = 4
   steps = native.checkpoint_steps(str(tmp_path / "m"))
   assert steps and 4 <= steps[-1] < 20 and f"checkpoint_{steps[-1]} is the last good" in msg
   _, params, _ = native.load(native.latest_checkpoint(str(tmp_path / "m")))
-  import jax, numpy as np  # pylint: disable=import-outside-toplevel,multiple-imports
+  import jax, numpy as np
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))

@@ -55,7 +55,7 @@ def test_z_loss_custom_gradient_equals_autodiff():
     lse = jax.scipy.special.logsumexp(lg, axis=-1)
     return jnp.sum(-jnp.sum(onehot * (lg - lse[..., None]), -1) + 1e-2 * lse ** 2)
 
-  custom = lambda lg: jnp.sum(losses.cross_entropy_with_logits(lg, onehot, 1e-2)[0])  # noqa: E731
+  custom = lambda lg: jnp.sum(losses.cross_entropy_with_logits(lg, onehot, 1e-2)[0])
   np.testing.assert_allclose(jax.grad(custom)(jnp.asarray(logits)),
                              jax.grad(plain)(jnp.asarray(logits)), rtol=1e-5, atol=1e-6)
 

@@ -86,7 +86,7 @@ def test_difference_names_both_vocabularies(tiny_spm, tmp_path):
   shutil.copy(BUNDLED_SPM, copy)
   assert vocab_io.difference(bundled, SentencePieceVocabulary(copy, extra_ids=100)) is None
   # The same pieces with another trainer record (input files ...) tokenize the same.
-  from sentencepiece import sentencepiece_model_pb2 as pb  # pylint: disable=import-outside-toplevel
+  from sentencepiece import sentencepiece_model_pb2 as pb
   proto = pb.ModelProto()
   proto.ParseFromString(open(BUNDLED_SPM, "rb").read())
   proto.trainer_spec.input.append("/somewhere/else.txt")
@@ -128,9 +128,9 @@ def test_infer_task_refuses_another_vocabulary(tiny_ckpt, tmp_path):
   assert f"task '{TASK}'" in line and "tiny_bible" in line and "bible_en_es_8k" in line
   assert "--use_checkpoint_vocabulary" in line
   # T5X-style infer (gin): the same check.
-  from t5forge import infer  # pylint: disable=import-outside-toplevel
-  from t5forge.errors import UserError  # pylint: disable=import-outside-toplevel
-  from t5forge.train.settings import DatasetConfig, RestoreCheckpointConfig  # pylint: disable=import-outside-toplevel
+  from t5forge import infer
+  from t5forge.errors import UserError
+  from t5forge.train.settings import DatasetConfig, RestoreCheckpointConfig
   with pytest.raises(UserError, match="@data.with_vocabulary") as e:
     infer.infer_task(dataset_cfg=DatasetConfig(TASK, None, split="validation", batch_size=8),
                      restore_checkpoint_cfg=RestoreCheckpointConfig(path=tiny_ckpt),
@@ -185,7 +185,7 @@ def test_finetune_refuses_another_vocabulary_unless_allowed(flan_like_hf, tmp_pa
 def test_resuming_with_another_vocabulary_is_refused(flan_like_hf, finetuned, tiny_spm):
   """The task the MODEL_DIR was trained on, redefined with another vocabulary (as an edited
   tasks.py would): the data iterator's state matches by name, the vocabulary does not."""
-  from t5forge import data  # pylint: disable=import-outside-toplevel
+  from t5forge import data
   name = data.with_vocabulary(TASK, tiny_spm)  # the task finetune_from_hf.gin trained
   bible = data.get_mixture_or_task(TASK)
   data.TaskRegistry.add(name, bible.source, bible.preprocessors, bible.output_features,
@@ -218,7 +218,7 @@ def test_model_vocabulary_other_than_the_tasks_is_refused(flan_like_hf, tmp_path
 
 
 def test_with_vocabulary_copies_a_cached_task_with_its_own_cache(tiny_spm, tmp_path):
-  from t5forge import data  # pylint: disable=import-outside-toplevel
+  from t5forge import data
   bundled = SentencePieceVocabulary(BUNDLED_SPM, extra_ids=100)
   text = "En el principio creó Dios los cielos y la tierra."
   data.TaskRegistry.add(

@@ -69,9 +69,9 @@ def kill_when(cmd, cond, timeout=300, cwd=ROOT, env=None) -> bool:
 
 def final_params(model_dir):
   """(path, numpy params) of the latest checkpoint in model_dir."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  from t5forge.convert import native  # pylint: disable=import-outside-toplevel
+  import jax
+  import numpy as np
+  from t5forge.convert import native
   path = native.latest_checkpoint(str(model_dir))
   _, params, _ = native.load(path)
   return path, jax.tree.map(np.asarray, params)
@@ -85,7 +85,7 @@ def fingerprints(model_dir):
 
 
 def read_jsonl(path):
-  import json  # pylint: disable=import-outside-toplevel
+  import json
   with open(path) as f:
     return [json.loads(line) for line in f if line.strip()]
 

@@ -9,8 +9,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from t5forge import presets  # noqa: E402
-from t5forge.nn import abstract_params, count_params  # noqa: E402
+from t5forge import presets
+from t5forge.nn import abstract_params, count_params
 
 OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "t5forge",
                    "configs", "models")

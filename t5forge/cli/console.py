@@ -20,7 +20,7 @@ class _Console(logging.Handler):
       stream = sys.stderr if record.levelno >= logging.WARNING else sys.stdout
       stream.write(self.format(record) + "\n")
       stream.flush()
-    except Exception:  # pylint: disable=broad-except  (logging's own contract)
+    except Exception:  # noqa: BLE001 (logging's own contract)
       self.handleError(record)
 
 

@@ -65,14 +65,14 @@ def main(argv: list[str]) -> int:
   if args.eval_period:
     bindings.append(f"EVAL_PERIOD={args.eval_period}")
   gin_flags.parse([EXAMPLE_GIN], bindings)
-  import gin  # pylint: disable=import-outside-toplevel
-  from t5forge.train import loop  # pylint: disable=import-outside-toplevel
+  import gin  # noqa: PLC0415
+  from t5forge.train import loop  # noqa: PLC0415
   result = gin_flags.call(loop.train, operative_config=gin.config_str(),
                           show_progress=sys.stderr.isatty())
   trained = time.time() - started
 
-  from t5forge import evaluate  # pylint: disable=import-outside-toplevel
-  from t5forge.train.settings import DatasetConfig, RestoreCheckpointConfig  # pylint: disable=import-outside-toplevel
+  from t5forge import evaluate  # noqa: PLC0415
+  from t5forge.train.settings import DatasetConfig, RestoreCheckpointConfig  # noqa: PLC0415
   t_eval = time.time()
   out_dir = os.path.join(model_dir, "inference_eval")
   metrics = evaluate.evaluate(

@@ -101,7 +101,7 @@ def parse(files: Sequence[str], bindings: Sequence[str], search_paths: Sequence[
   except (ValueError, KeyError, SyntaxError, ImportError, OSError, TypeError, NameError) as e:
     raise UserError(explain(e)) from None
   except AttributeError as e:  # a module a gin file imports (`import tasks`) names what is not
-    from t5forge.data.tasks import unknown_name_message  # pylint: disable=import-outside-toplevel
+    from t5forge.data.tasks import unknown_name_message  # noqa: PLC0415
     raise UserError(f"a gin file's import failed: {unknown_name_message(e)}") from None
   finally:
     logging.getLogger().removeFilter(quiet)
@@ -172,7 +172,7 @@ def _guard_package_reader() -> None:
       except TypeError:  # a namespace package has no origin
         return False
 
-    guarded._t5forge_guarded = True
+    guarded._t5forge_guarded = True  # noqa: SLF001 (our marker on a function)
     readers[i] = (reader, guarded)
 
 

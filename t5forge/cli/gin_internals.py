@@ -17,21 +17,21 @@ GIN_VERSION = "0.5.0"
 
 def reset_search_paths() -> None:
   """gin's search paths back to its default ([''] = file names as given)."""
-  gin_config._LOCATION_PREFIXES[:] = [""]  # pylint: disable=protected-access
+  gin_config._LOCATION_PREFIXES[:] = [""]  # noqa: SLF001
 
 
 def search_paths() -> list[str]:
   """The search paths gin tries, in order (a copy)."""
-  return list(gin_config._LOCATION_PREFIXES)  # pylint: disable=protected-access
+  return list(gin_config._LOCATION_PREFIXES)  # noqa: SLF001
 
 
 def bindings() -> Iterator[tuple[str, str, dict[str, Any]]]:
   """(scope, selector, {parameter: value}) for every configurable the parsed files bind;
   a macro NAME is (NAME, 'gin.macro', {'value': ...})."""
-  for (scope, selector), values in gin_config._CONFIG.items():  # pylint: disable=protected-access
+  for (scope, selector), values in gin_config._CONFIG.items():  # noqa: SLF001
     yield scope, selector, values
 
 
 def file_readers() -> list:
   """gin's list of (reader, exists) pairs, which gin reads on every include (mutable)."""
-  return gin_config._FILE_READERS  # pylint: disable=protected-access
+  return gin_config._FILE_READERS  # noqa: SLF001

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
   try:
     rest, multihost_flags = _pop_multihost_flags(rest)
     if multihost_flags is not None:
-      from t5forge import multihost  # pylint: disable=import-outside-toplevel
+      from t5forge import multihost  # noqa: PLC0415
       multihost.initialize(**multihost_flags)
     module = importlib.import_module(COMMANDS[name][0])
     code = module.main(rest)

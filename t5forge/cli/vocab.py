@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from t5forge.data import vocab
 from t5forge.errors import UserError
 
 
@@ -41,8 +42,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _train(args) -> None:
-  from t5forge.data import vocab
-
   if args.vocab_size <= 0 or args.extra_ids < 0:
     raise UserError("--vocab_size must be > 0 and --extra_ids >= 0")
   start = time.time()
@@ -57,8 +56,6 @@ def _train(args) -> None:
 
 
 def _info(args) -> None:
-  from t5forge.data import vocab
-
   v = vocab.SentencePieceVocabulary(args.path, extra_ids=args.extra_ids)
   p = v.processor
   print(f"model:      {args.path}")

@@ -75,11 +75,11 @@ def _looks_like_hub_name(path: str) -> bool:
 
 def _download(name: str) -> str:
   try:
-    from huggingface_hub import snapshot_download  # pylint: disable=import-outside-toplevel
+    from huggingface_hub import snapshot_download  # noqa: PLC0415
     return snapshot_download(repo_id=name, allow_patterns=[
         "config.json", "*.safetensors", "*.safetensors.index.json", "spiece.model",
         "tokenizer.model", "tokenizer*.json", "special_tokens_map.json", "generation_config.json"])
-  except Exception as e:  # network, auth, missing repo: all mean "not loadable from here"
+  except Exception as e:  # noqa: BLE001 (network, auth, missing repo: all mean "not loadable from here")
     reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
     raise UserError(
         f"{name!r} is not a local path and could not be fetched from the Hugging Face Hub "

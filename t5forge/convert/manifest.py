@@ -34,7 +34,7 @@ ORBAX_METADATA = "_CHECKPOINT_METADATA"
 
 
 def _orbax_paths():
-  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel  # slow to import
+  import orbax.checkpoint as ocp  # noqa: PLC0415 # slow to import
   return ocp.path.atomicity_types
 
 

@@ -100,13 +100,13 @@ def latest_checkpoint(model_dir: str) -> str | None:
 
 
 def _checkpointer():
-  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  import orbax.checkpoint as ocp  # noqa: PLC0415
   return ocp, ocp.Checkpointer(ocp.CompositeCheckpointHandler())
 
 
 def save(path: str, config: ModelConfig, params: dict, *, extra_config: dict | None = None) -> None:
   """Writes a params-only checkpoint with its manifest (what `convert --to t5forge` produces)."""
-  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  import orbax.checkpoint as ocp  # noqa: PLC0415
   path = os.path.abspath(path)
   if os.path.exists(path) and os.listdir(path):
     raise UserError(f"{path}: exists and is not empty; choose a new output directory")
@@ -138,10 +138,10 @@ def _shape_difference(path: str, abstract_params) -> str | None:
   """The first parameter whose stored name or shape differs from `abstract_params`'s
   ('encoder/.../kernel: stored (64, 32), config (64, 16)'), None when all agree (or the
   stored shapes cannot be read: then the restore's own error says what went wrong)."""
-  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  import orbax.checkpoint as ocp  # noqa: PLC0415
   try:
     stored = ocp.StandardCheckpointHandler().metadata(pathlib.Path(path) / PARAMS)
-  except Exception:  # pylint: disable=broad-except  # unreadable metadata: no verdict
+  except Exception:  # noqa: BLE001 # unreadable metadata: no verdict
     return None
 
   def shapes(tree):
@@ -178,7 +178,7 @@ def read_header(path: str) -> tuple[ModelConfig, dict]:
     print(f"note: {note}", file=sys.stderr)
   try:
     meta = read_config(path)
-  except Exception as e:  # pylint: disable=broad-except  # damage Orbax meets, in any form
+  except Exception as e:  # noqa: BLE001 # damage Orbax meets, in any form
     raise manifest.unreadable(path, e) from None
   return ModelConfig.from_dict(meta["model"], source=os.path.join(path, CONFIG)), meta
 
@@ -198,7 +198,7 @@ def restore_params(path: str, abstract_params) -> dict:
     UserError: the stored parameters differ in name or shape from `abstract_params`.
     manifest.CheckpointDamaged: Orbax cannot read them.
   """
-  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  import orbax.checkpoint as ocp  # noqa: PLC0415
   # Compared before restoring: Orbax restores a stored array into a target of another
   # shape without a word.
   difference = _shape_difference(os.path.abspath(path), abstract_params)
@@ -210,7 +210,7 @@ def restore_params(path: str, abstract_params) -> dict:
     restored = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
         os.path.abspath(path), ocp.args.Composite(**{
             PARAMS: ocp.args.StandardRestore(abstract_params)}))
-  except Exception as e:  # pylint: disable=broad-except  # Orbax raises many kinds
+  except Exception as e:  # noqa: BLE001 # Orbax raises many kinds
     raise manifest.unreadable(path, e) from None
   return restored[PARAMS]
 
@@ -233,7 +233,7 @@ def load(path: str, *, abstract_params=None) -> tuple[ModelConfig, dict, dict]:
   """
   config, meta = read_header(path)
   if abstract_params is None:
-    from t5forge.nn import abstract_params as _abstract  # pylint: disable=import-outside-toplevel
+    from t5forge.nn import abstract_params as _abstract  # noqa: PLC0415
     # Place on this process's first device: a checkpoint written by another mesh or
     # process count restores anywhere once the target says where.
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])

@@ -74,7 +74,7 @@ def _is_ts_spec(x: Any) -> bool:
 
 def _read_tensorstore(spec: dict, ckpt_dir: str, name: str) -> np.ndarray:
   # Lazy: tensorstore takes ~0.7 s to import; only T5X checkpoints with external arrays need it.
-  import tensorstore as ts  # pylint: disable=import-outside-toplevel
+  import tensorstore as ts  # noqa: PLC0415
   spec = dict(spec)
   kvstore = dict(spec.get("kvstore", {}))
   rel = kvstore.get("path", spec.pop("path", None))
@@ -87,7 +87,7 @@ def _read_tensorstore(spec: dict, ckpt_dir: str, name: str) -> np.ndarray:
     raise UserError(f"{ckpt_dir}: {name} refers to TensorStore array {rel!r}, which is missing")
   try:
     return ts.open(spec, open=True, read=True).result().read().result()
-  except Exception as e:  # tensorstore raises ValueError / its own errors
+  except Exception as e:  # noqa: BLE001 (tensorstore raises ValueError / its own errors)
     raise UserError(f"{kvstore['path']}: cannot read TensorStore array for {name} ({e})") from None
 
 

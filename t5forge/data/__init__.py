@@ -41,7 +41,7 @@ _PIPELINE_NAMES = ("get_batches", "get_eval_dataset", "get_eval_datasets", "Data
 
 def __getattr__(name):
   if name in _PIPELINE_NAMES:
-    from t5forge.data import pipeline
+    from t5forge.data import pipeline  # noqa: PLC0415 (grain and the pipeline load on first use)
     return getattr(pipeline, name)
   raise AttributeError(f"module 't5forge.data' has no attribute {name!r}")
 

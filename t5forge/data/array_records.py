@@ -24,10 +24,10 @@ def _unreadable(path: str, e: Exception) -> UserError:
 
 
 def _open(path: str):
-  from array_record.python.array_record_module import ArrayRecordReader
+  from array_record.python.array_record_module import ArrayRecordReader  # noqa: PLC0415 (slow import, on first use)
   try:
     return ArrayRecordReader(path, _OPTIONS)
-  except Exception as e:  # the C++ reader raises RuntimeError / ValueError / OSError
+  except Exception as e:  # noqa: BLE001 (the C++ reader raises RuntimeError / ValueError / OSError)
     raise _unreadable(path, e) from None
 
 
@@ -38,7 +38,7 @@ def _count(path: str) -> int:
     n = reader.num_records()
     reader.close()  # the reader checks the file's footer as it closes
     return n
-  except Exception as e:
+  except Exception as e:  # noqa: BLE001
     raise _unreadable(path, e) from None
 
 

@@ -14,7 +14,6 @@ import functools
 import hashlib
 import inspect
 import json
-import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -59,7 +58,7 @@ def fingerprint(parts: Any) -> str | None:
 
 
 def encode_example(ex: Mapping[str, Any]) -> bytes:
-  import msgpack
+  import msgpack  # noqa: PLC0415 (slow import, on first use)
   packed = {}
   for k, v in ex.items():
     if isinstance(v, np.ndarray):
@@ -72,7 +71,7 @@ def encode_example(ex: Mapping[str, Any]) -> bytes:
 
 
 def decode_example(data: bytes) -> dict:
-  import msgpack
+  import msgpack  # noqa: PLC0415 (slow import, on first use)
   out = msgpack.unpackb(data, raw=False)
   for k, v in out.items():
     if isinstance(v, dict) and "__nd__" in v:
@@ -82,7 +81,7 @@ def decode_example(data: bytes) -> dict:
 
 def write_records(path: str, examples: Iterable[Mapping[str, Any]]) -> int:
   """Writes the examples to an ArrayRecord file atomically; returns the count."""
-  from array_record.python.array_record_module import ArrayRecordWriter
+  from array_record.python.array_record_module import ArrayRecordWriter  # noqa: PLC0415 (slow import, on first use)
   # Concurrent writers produce the same bytes; the last rename wins.
   with files.cache_path(path) as tmp:
     writer = ArrayRecordWriter(tmp, "group_size:1")  # group size 1: cheap random access

@@ -400,7 +400,7 @@ class ProcessHandles:
     for handle in getattr(self, "_handles", {}).values():
       try:
         self._close_handle(handle)
-      except Exception:  # closing at interpreter exit: nothing to report to
+      except Exception:  # noqa: BLE001 (closing at interpreter exit: nothing to report to)
         pass
 
 

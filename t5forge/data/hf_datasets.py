@@ -280,7 +280,7 @@ def _front_matter(readme: str) -> dict:
   end = next((k for k in range(1, len(lines)) if lines[k].strip() == "---"), None)
   if end is None:
     return {}
-  import yaml
+  import yaml  # noqa: PLC0415 (slow import, on first use)
   try:
     card = yaml.safe_load("\n".join(lines[1:end]))
   except yaml.YAMLError as e:
@@ -449,7 +449,7 @@ def _hub_cache_dir() -> str:
 
 
 def _hub_offline() -> bool:
-  from huggingface_hub import constants
+  from huggingface_hub import constants  # noqa: PLC0415 (slow import, on first use)
   value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
   return value.upper() in ("1", "ON", "YES", "TRUE") or bool(constants.HF_HUB_OFFLINE)
 
@@ -457,8 +457,8 @@ def _hub_offline() -> bool:
 def _hub_snapshot(repo_id: str, revision: str | None, name: str | None,
                   data_files: Any) -> str:
   """The local snapshot dir of a Hub dataset repo, downloading what is needed when online."""
-  import huggingface_hub as hub
-  from huggingface_hub import errors
+  import huggingface_hub as hub  # noqa: PLC0415 (slow import, on first use)
+  from huggingface_hub import errors  # noqa: PLC0415 (slow import, on first use)
   cache_dir, offline = _hub_cache_dir(), _hub_offline()
   at = f" at revision {revision!r}" if revision else ""
   try:
@@ -500,8 +500,8 @@ def _allow_patterns(repo_id: str, revision: str | None, name: str | None, data_f
                     cache_dir: str) -> list[str] | None:
   """Which repo files to download: the README and the chosen config's data files (None:
   all). Reads the README first, so a repo of many configs is not downloaded whole."""
-  import huggingface_hub as hub
-  from huggingface_hub import errors
+  import huggingface_hub as hub  # noqa: PLC0415 (slow import, on first use)
+  from huggingface_hub import errors  # noqa: PLC0415 (slow import, on first use)
   where = f"Hub dataset {repo_id}"
   prefix = ""
   if data_files is not None:

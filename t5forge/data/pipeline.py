@@ -250,7 +250,7 @@ def get_batches(mixture_or_task_name: str, task_feature_lengths: Mapping[str, in
   ds = _ConvertIterDataset(examples.to_iter_dataset(read), converter, lengths)
   ds = ds.batch(batch_size, drop_remainder=drop_remainder)
   if num_workers > 0:
-    from absl import flags
+    from absl import flags  # noqa: PLC0415 (slow import, on first use)
     if not flags.FLAGS.is_parsed():
       # Grain's workers read absl flags; a program that never parsed them (any
       # non-absl CLI) would fail on the first batch.

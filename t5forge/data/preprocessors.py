@@ -76,7 +76,7 @@ class CacheDatasetPlaceholder:
 
 
 def _mark(fn, kind):
-  fn._t5forge_kind = kind
+  fn._t5forge_kind = kind  # noqa: SLF001 (our marker on a function)
   return fn
 
 

@@ -37,9 +37,9 @@ def stdlib_dir() -> str:
 def _stdlib_files() -> list[str]:
   root = stdlib_dir()
   out = []
-  for d, dirs, files in os.walk(root):
+  for d, dirs, names in os.walk(root):
     dirs[:] = sorted(x for x in dirs if x not in _SKIP_DIRS and not x.startswith("."))
-    out.extend(os.path.join(d, f) for f in sorted(files) if f.endswith(".py"))
+    out.extend(os.path.join(d, f) for f in sorted(names) if f.endswith(".py"))
   return out
 
 

@@ -24,13 +24,17 @@ pyarrow is imported on first use: `import t5forge.data` stays fast.
 from __future__ import annotations
 
 import bisect
+import csv
 import hashlib
+import io
 import json
 import os
 import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from t5forge.data import sources
 from t5forge.data.files import cache_path, cache_root, expand_patterns, stamp
@@ -67,7 +71,7 @@ def _cells(arr) -> Callable[[int], Any]:
   indexing memoryviews of the offsets and data buffers costs a tenth of that. Types
   without a fast path (dates, decimals, extension types, ...) fall back to `as_py`.
   """
-  import pyarrow as pa
+  import pyarrow as pa  # noqa: PLC0415 (slow import, on first use)
   t, o, bufs = arr.type, arr.offset, arr.buffers()
   if pa.types.is_null(t):
     return lambda j: None
@@ -117,7 +121,7 @@ def _cells(arr) -> Callable[[int], Any]:
 
 def _map_ipc(path: str, origin: str):
   """Memory-maps an Arrow IPC file or stream: (schema, record batches), zero copy."""
-  import pyarrow as pa
+  import pyarrow as pa  # noqa: PLC0415 (slow import, on first use)
   try:
     source = pa.memory_map(path, "r")
     if source.read(6) == b"ARROW1":  # the IPC file format (Feather v2) starts with its magic
@@ -347,7 +351,7 @@ def _converted(path: str, options: str, write: Callable[[str], None]) -> str:
 
 
 def _write_batches(tmp: str, schema, batches) -> None:
-  import pyarrow as pa
+  import pyarrow as pa  # noqa: PLC0415 (slow import, on first use)
   with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
     for batch in batches:
       writer.write_batch(batch)
@@ -363,8 +367,8 @@ class ParquetSource(TableSource):
   _format = "parquet"
 
   def _peek(self, f, path):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    import pyarrow as pa  # noqa: PLC0415 (slow import, on first use)
+    import pyarrow.parquet as pq  # noqa: PLC0415 (slow import, on first use)
     try:
       with pq.ParquetFile(path) as pf:
         return pf.metadata.num_rows, pf.schema_arrow
@@ -376,8 +380,8 @@ class ParquetSource(TableSource):
     return _converted(path, self._options(), lambda tmp: self._convert(path, tmp))
 
   def _convert(self, path: str, tmp: str) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    import pyarrow as pa  # noqa: PLC0415 (slow import, on first use)
+    import pyarrow.parquet as pq  # noqa: PLC0415 (slow import, on first use)
     try:
       with pq.ParquetFile(path) as pf:
         schema = pf.schema_arrow
@@ -431,8 +435,8 @@ class CsvSource(TableSource):
     return _converted(path, f"csv:{self._delimiter!r}", lambda tmp: self._convert(path, tmp))
 
   def _convert(self, path: str, tmp: str) -> None:
-    import pyarrow as pa
-    import pyarrow.csv as pcsv
+    import pyarrow as pa  # noqa: PLC0415 (slow import, on first use)
+    import pyarrow.csv as pcsv  # noqa: PLC0415 (slow import, on first use)
     parse = pcsv.ParseOptions(delimiter=self._delimiter, newlines_in_values=True)
     read = pcsv.ReadOptions(block_size=_CSV_BLOCK)
     types: dict[str, Any] = {}
@@ -473,8 +477,7 @@ _CONVERSION_ERROR = re.compile(r"In CSV column #(\d+): .*CSV conversion error to
 
 
 def _odd_quotes(path: str) -> bool:
-  import numpy as np
-  import pyarrow as pa
+  import pyarrow as pa  # noqa: PLC0415 (slow import, on first use)
   count = 0
   with pa.input_stream(path, compression="detect") as f:
     while block := f.read(1 << 24):
@@ -487,9 +490,7 @@ def _unbalanced_quote(path: str, delimiter: str) -> str | None:
 
   Only called when something is wrong: pyarrow does the reading, this names the line.
   """
-  import csv
-  import io
-  import pyarrow as pa
+  import pyarrow as pa  # noqa: PLC0415 (slow import, on first use)
   line = 1
   try:
     with pa.input_stream(path, compression="detect") as raw:
@@ -520,8 +521,8 @@ class JsonTableSource(TableSource):
 
 
 def _convert_json(path: str, tmp: str) -> None:
-  import pyarrow as pa
-  import pyarrow.json as pjson
+  import pyarrow as pa  # noqa: PLC0415 (slow import, on first use)
+  import pyarrow.json as pjson  # noqa: PLC0415 (slow import, on first use)
   try:
     table = pjson.read_json(path)
   except pa.ArrowInvalid as e:

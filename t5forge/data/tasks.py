@@ -143,8 +143,8 @@ class Task:
       new.name = name
       for key, value in changes.items():
         setattr(new, key, value)
-      new._offline, new._seqio_cached, new._lock = {}, {}, threading.Lock()
-      TaskRegistry._add(name, new)
+      new._offline, new._seqio_cached, new._lock = {}, {}, threading.Lock()  # noqa: SLF001 (Task's own state)
+      TaskRegistry._add(name, new)  # noqa: SLF001 (Task's own state)
     return name
 
   @property
@@ -305,7 +305,7 @@ class Task:
       `grain.MapDataset` of dicts (numpy int32 arrays and `*_pretokenized` text);
       examples dropped by a filter are None at their index (iteration skips them).
     """
-    import grain
+    import grain  # noqa: PLC0415 (slow import, on first use)
 
     seed = 0 if seed is None else seed
     if shard_info is not None:
@@ -488,7 +488,7 @@ class Mixture:
     stream holds the tasks in their exact rate proportions (SeqIO samples i.i.d.).
     A mixture ends when its first task runs out (None epochs: never).
     """
-    import grain
+    import grain  # noqa: PLC0415 (slow import, on first use)
 
     seed = 0 if seed is None else seed
     if shard_info is not None:
@@ -545,12 +545,12 @@ class _Registry:
 
   @classmethod
   def _add(cls, name: str, item: Any, overwrite: bool = False) -> Any:
-    if name in TaskRegistry._items or name in MixtureRegistry._items:
+    if name in TaskRegistry._items or name in MixtureRegistry._items:  # noqa: SLF001 (this module's registry)
       if not overwrite:
         raise UserError(f"a task or mixture named {name!r} is already registered; pick another "
                         "name (or pass overwrite=True)")
-      TaskRegistry._items.pop(name, None)
-      MixtureRegistry._items.pop(name, None)
+      TaskRegistry._items.pop(name, None)  # noqa: SLF001 (this module's registry)
+      MixtureRegistry._items.pop(name, None)  # noqa: SLF001 (this module's registry)
     cls._items[name] = item
     return item
 
@@ -660,10 +660,10 @@ def unknown_name_message(e: AttributeError) -> str:
 
 def get_mixture_or_task(name: str) -> Task | Mixture:
   """The registered task or mixture called `name` (UserError with suggestions if none)."""
-  if name in MixtureRegistry._items:
-    return MixtureRegistry._items[name]
-  if name in TaskRegistry._items:
-    return TaskRegistry._items[name]
+  if name in MixtureRegistry._items:  # noqa: SLF001 (this module's registry)
+    return MixtureRegistry._items[name]  # noqa: SLF001 (this module's registry)
+  if name in TaskRegistry._items:  # noqa: SLF001 (this module's registry)
+    return TaskRegistry._items[name]  # noqa: SLF001 (this module's registry)
   raise _unknown(name, "task or mixture", TaskRegistry.names() + MixtureRegistry.names())
 
 
@@ -717,7 +717,7 @@ def with_vocabulary(mixture_or_task_name: str, vocabulary: Vocabulary | None) ->
   suffix = ".vocab_" + hashlib.md5(vocabulary.fingerprint().encode()).hexdigest()[:8]
   if isinstance(item, Mixture):
     name = mixture_or_task_name + suffix
-    if name not in MixtureRegistry._items:
+    if name not in MixtureRegistry._items:  # noqa: SLF001 (this module's registry)
       MixtureRegistry.add(name, [(_task_copy(t, vocabulary, suffix), rate)
                                  for t, rate in item.tasks_and_rates])
     return name

@@ -318,7 +318,7 @@ def parse(data: bytes, where: Any = "a record"):
   """Serialized bytes -> the `Example` message; UserError when they are not one."""
   try:
     return Example.FromString(data)
-  except Exception as e:  # the runtime's DecodeError, whichever implementation
+  except Exception as e:  # noqa: BLE001 (the runtime's DecodeError, whichever implementation)
     raise UserError(f"{where}: not a tf.train.Example ({type(e).__name__}); is the file "
                     "of another kind (JSON records: decode='json')?") from None
 

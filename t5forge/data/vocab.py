@@ -24,6 +24,7 @@ from __future__ import annotations
 import abc
 import functools
 import hashlib
+import io
 import os
 import re
 import threading
@@ -32,6 +33,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from t5forge import files as t5files
+from t5forge.data import files as files_lib
 from t5forge.errors import UserError
 
 PAD_ID = 0
@@ -239,15 +241,15 @@ _LOAD_LOCK = threading.Lock()
 def _load_processor(path: str, extra_ids: int, stamp: tuple[int, int]):
   """Loads the model and appends the sentinel pieces (cached per file version)."""
   del stamp
-  import sentencepiece as spm
-  from sentencepiece import sentencepiece_model_pb2 as model_pb2
+  import sentencepiece as spm  # noqa: PLC0415 (slow import, on first use)
+  from sentencepiece import sentencepiece_model_pb2 as model_pb2  # noqa: PLC0415 (slow import, on first use)
 
   with open(path, "rb") as f:
     blob = f.read()
   proto = model_pb2.ModelProto()
   try:
     proto.ParseFromString(blob)
-  except Exception as e:  # protobuf raises DecodeError; any failure means the same
+  except Exception as e:  # noqa: BLE001 (protobuf raises DecodeError; any failure means the same)
     raise UserError(f"{path}: not a SentencePiece model ({e}); pass a .model file") from None
   if len(proto.pieces) < 3:
     raise UserError(f"{path}: SentencePiece model has only {len(proto.pieces)} pieces")
@@ -317,10 +319,10 @@ class TokenizersVocabulary(Vocabulary):
     if self._tokenizer is None:
       with self._lock:
         if self._tokenizer is None:
-          from tokenizers import Tokenizer  # pylint: disable=import-outside-toplevel
+          from tokenizers import Tokenizer  # noqa: PLC0415
           try:
             self._tokenizer = Tokenizer.from_file(self._path)
-          except Exception as e:  # tokenizers raises its own Exception type
+          except Exception as e:  # noqa: BLE001 (tokenizers raises its own Exception type)
             raise UserError(f"{self._path}: not a tokenizers tokenizer.json ({e})") from None
     return self._tokenizer
 
@@ -334,7 +336,7 @@ class TokenizersVocabulary(Vocabulary):
 
   @functools.cached_property
   def unk_id(self) -> int | None:
-    import json  # pylint: disable=import-outside-toplevel
+    import json  # noqa: PLC0415
     with open(self._path, encoding="utf-8") as f:
       model = json.load(f).get("model") or {}
     if model.get("unk_id") is not None:  # Unigram
@@ -476,8 +478,6 @@ def read_training_text(patterns: Sequence[str]) -> tuple[list[str], list[str]]:
   Returns:
     (sentences, files): non-empty lines/cells in file order; the files matched.
   """
-  from t5forge.data import files as files_lib
-
   files = files_lib.expand_patterns(patterns)
   sentences = []
   for path in files:
@@ -508,8 +508,7 @@ def train_sentencepiece(sentences: Sequence[str], *, vocab_size: int, extra_ids:
   Returns:
     The path of the written model.
   """
-  import io
-  import sentencepiece as spm
+  import sentencepiece as spm  # noqa: PLC0415 (slow import, on first use)
 
   pieces = vocab_size - extra_ids
   if pieces < 4 + len(set(required_chars)):

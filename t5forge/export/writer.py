@@ -164,7 +164,7 @@ def loader_requirements() -> list[str]:
 
 def _write_vocabulary(vocab, out_dir: str) -> dict | None:
   """Writes the SentencePiece model as the vocabulary loads it (sentinels appended)."""
-  from t5forge.data.vocab import SentencePieceVocabulary  # pylint: disable=import-outside-toplevel
+  from t5forge.data.vocab import SentencePieceVocabulary  # noqa: PLC0415
   if vocab is None:
     return None
   if not isinstance(vocab, SentencePieceVocabulary):
@@ -230,7 +230,7 @@ def export_jax(model, params: dict, vocab, out_dir: str, *, shapes: list[Shape],
   with files.staged_dir(out_dir) as tmp:
     os.makedirs(os.path.join(tmp, "functions"))
     flat = flatten_params(jax.device_get(params))
-    from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
+    from safetensors.numpy import save_file  # noqa: PLC0415
     save_file(flat, os.path.join(tmp, PARAMS_FILE), metadata={"format": FORMAT})
     vocab_entry = _write_vocabulary(vocab, tmp)
     with open(loader.__file__, "rb") as f:

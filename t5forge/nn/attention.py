@@ -233,15 +233,15 @@ class MultiHeadAttention(nn.Module):
     kernel_init = nn.initializers.variance_scaling(1.0, "fan_in", "normal")
     # T5X scales the query initialisation by 1/sqrt(head_dim) instead of the logits.
     query_init = (kernel_init if self.query_scale is not None
-                  else lambda *a: kernel_init(*a) / math.sqrt(d))  # noqa: E731
+                  else lambda *a: kernel_init(*a) / math.sqrt(d))
     fused_qkv = decode is None and inputs_kv is inputs_q
     # float32 kernels: `matmul.dense` rounds them to the compute dtype (see layers.Dense).
-    kernel = lambda name, init, x, width, axis: Kernel(  # noqa: E731
+    kernel = lambda name, init, x, width, axis: Kernel(
         width, (ax.EMBED, axis), kernel_init=init, name=name)(x.shape[-1])
-    heads = lambda y, x, num, axis: nn.with_logical_constraint(  # noqa: E731
+    heads = lambda y, x, num, axis: nn.with_logical_constraint(
         y.astype(self.dtype).reshape(*x.shape[:-1], num, d),
         (ax.BATCH, ax.LENGTH, head_axis(axis, num), ax.ACT_KV))
-    kv_kernels = lambda x: [kernel(name, kernel_init, x, n * d, kv_axis)  # noqa: E731
+    kv_kernels = lambda x: [kernel(name, kernel_init, x, n * d, kv_axis)
                             for name in ("key", "value")]
 
     def project_kv(x):

@@ -82,7 +82,7 @@ async def _guard(request: fastapi.Request, call_next):
   else:
     try:
       resp = await call_next(request)
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:  # noqa: BLE001
       resp = error_response(500, f"internal error: {type(e).__name__}: {e}",
                             type_="server_error")
   s.metrics.requests.labels(route, str(resp.status_code)).inc()

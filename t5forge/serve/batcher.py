@@ -170,7 +170,7 @@ class Batcher:
   def _run(self) -> None:
     try:
       self._warmup()
-    except BaseException as e:  # pylint: disable=broad-except
+    except BaseException as e:  # noqa: BLE001
       # Reported by /health and the CLI; queued rows fail rather than hang.
       self.failed = e
       with self._cond:
@@ -244,7 +244,7 @@ class Batcher:
         results = self._score(rows)
       else:
         results = self._generate(rows)
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:  # noqa: BLE001
       # One failed call fails its rows (HTTP 500); the worker goes on serving.
       for r in rows:
         r.done(e)

@@ -144,7 +144,7 @@ async def complete(s: Service, request: fastapi.Request):
   def decode(tokens, length) -> str:
     ids = tokens[:int(length)].tolist()
     if s.stop_ids is not None:
-      from t5forge.decoding import text_ids  # pylint: disable=import-outside-toplevel
+      from t5forge.decoding import text_ids  # noqa: PLC0415
       ids = text_ids(ids, s.stop_ids)  # <end_of_turn> ends the text, not part of it
     return s.vocabulary.decode(ids)
 

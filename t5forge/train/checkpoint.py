@@ -190,7 +190,7 @@ class Checkpointer:
       }))
     except UserError:
       raise
-    except Exception as e:  # pylint: disable=broad-except  # damage Orbax meets, in any form
+    except Exception as e:  # noqa: BLE001 # damage Orbax meets, in any form
       raise manifest.unreadable(path, e) from None
     if note:
       log(f"note: {note}")

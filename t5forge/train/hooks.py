@@ -40,7 +40,7 @@ class TrainEvaluator:
 
   def __init__(self, cfg: DatasetConfig, *, model, eval_step: Callable, shard_batch: Callable,
                eval_steps: int | None, shard_index: int, num_shards: int, model_kind: str):
-    from t5forge import data  # pylint: disable=import-outside-toplevel
+    from t5forge import data  # noqa: PLC0415
     per_process = cfg.batch_size // num_shards
     self.datasets = data.get_eval_datasets(
         cfg.mixture_or_task_name, cfg.task_feature_lengths, per_process, split=cfg.split,

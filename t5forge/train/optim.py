@@ -200,8 +200,8 @@ def adafactor(learning_rate: float | Schedule, *, param_axes: Any = None, factor
 
   def init(params):
     ps = plans(params)
-    one = lambda: jnp.zeros((1,), jnp.float32)  # noqa: E731
-    is_plan = lambda x: isinstance(x, _Plan)  # noqa: E731
+    one = lambda: jnp.zeros((1,), jnp.float32)
+    is_plan = lambda x: isinstance(x, _Plan)
 
     def v_row(p, pl):
       return one() if pl.row_dims is None else jnp.zeros(np.delete(p.shape, pl.col_dims), jnp.float32)
@@ -212,7 +212,7 @@ def adafactor(learning_rate: float | Schedule, *, param_axes: Any = None, factor
     def v(p, pl):
       return jnp.zeros(p.shape, jnp.float32) if pl.row_dims is None else one()
 
-    m = lambda p: jnp.zeros(p.shape, jnp.float32) if beta1 is not None else one()  # noqa: E731
+    m = lambda p: jnp.zeros(p.shape, jnp.float32) if beta1 is not None else one()
     return AdafactorState(
         count=jnp.zeros((), jnp.int32),
         v_row=jax.tree.map(v_row, params, ps, is_leaf=is_plan),
@@ -270,11 +270,11 @@ def adafactor(learning_rate: float | Schedule, *, param_axes: Any = None, factor
       return (new_p - p32).astype(p.dtype), vr, vc, v, m
 
     ps = plans(params)
-    is_plan = lambda x: isinstance(x, _Plan)  # noqa: E731
+    is_plan = lambda x: isinstance(x, _Plan)
     out = jax.tree.map(one_param, params, grads, ps, state.v_row, state.v_col, state.v, state.m,
                        is_leaf=lambda x: is_plan(x))
-    is_out = lambda x: isinstance(x, tuple) and len(x) == 5 and not is_plan(x)  # noqa: E731
-    pick = lambda i: jax.tree.map(lambda o: o[i], out, is_leaf=is_out)  # noqa: E731
+    is_out = lambda x: isinstance(x, tuple) and len(x) == 5 and not is_plan(x)
+    pick = lambda i: jax.tree.map(lambda o: o[i], out, is_leaf=is_out)
     return pick(0), AdafactorState(step + 1, pick(1), pick(2), pick(3), pick(4))
 
   return optax.GradientTransformation(init, update)
@@ -290,7 +290,7 @@ def adafactor_state_axes(state: AdafactorState, params: Any, param_axes: Any, *,
   embeddings); unused (1,) placeholders and the count are replicated.
   """
   rules = logical_factor_rules or standard_logical_factor_rules()
-  is_axes = lambda x: isinstance(x, tuple)  # noqa: E731
+  is_axes = lambda x: isinstance(x, tuple)
   axes = jax.tree.map(lambda a: tuple(a), param_axes, is_leaf=lambda x: isinstance(
       x, (tuple, jax.sharding.PartitionSpec)))
 
@@ -299,7 +299,7 @@ def adafactor_state_axes(state: AdafactorState, params: Any, param_axes: Any, *,
                  min_dim_size_to_factor=min_dim_size_to_factor, rules=rules)
 
   plans = jax.tree.map(plan, params, axes, is_leaf=is_axes)
-  is_plan = lambda x: isinstance(x, _Plan)  # noqa: E731
+  is_plan = lambda x: isinstance(x, _Plan)
   none = (None,)
 
   def drop(a, pl, dims):

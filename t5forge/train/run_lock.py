@@ -185,8 +185,8 @@ def lock_for_job(directory: str, *, command: str = "t5forge train",
   Returns:
     the held RunLock on process 0, None on the others.
   """
-  import jax  # pylint: disable=import-outside-toplevel
-  from t5forge import multihost  # pylint: disable=import-outside-toplevel
+  import jax  # noqa: PLC0415
+  from t5forge import multihost  # noqa: PLC0415
   lock, error = None, None
   if multihost.is_chief():
     lock = RunLock(directory, command=command)

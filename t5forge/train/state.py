@@ -20,7 +20,7 @@ class TrainState:
 
 def create(params: Any, optimizer: optax.GradientTransformation, step: int = 0) -> TrainState:
   """A state at `step` with freshly initialised optimizer statistics."""
-  from t5forge.train.optim import set_step  # pylint: disable=import-outside-toplevel
+  from t5forge.train.optim import set_step  # noqa: PLC0415
   opt_state = optimizer.init(params)
   if step:
     opt_state = set_step(opt_state, step)

@@ -94,7 +94,7 @@ def write_t5(vocab: Vocabulary | None, out_dir: str) -> list[str]:
   if not isinstance(vocab, SentencePieceVocabulary):
     return [f"no tokenizer written: transformers has no tokenizer for {describe(vocab)}"]
   # Lazy: the protobuf module costs ~80 ms, needed only when a tokenizer is written.
-  from sentencepiece import sentencepiece_model_pb2 as model_pb2  # pylint: disable=import-outside-toplevel
+  from sentencepiece import sentencepiece_model_pb2 as model_pb2  # noqa: PLC0415
   with open(vocab.path, "rb") as f:
     blob = f.read()
   proto = model_pb2.ModelProto()
@@ -173,10 +173,10 @@ def read_gemma(path: str, hf_config: dict) -> Vocabulary | None:
     special = {**_read_optional(os.path.join(path, "special_tokens_map.json")),
                **_read_optional(os.path.join(path, "tokenizer_config.json"))}
     # Lazy: `tokenizers` is an optional dependency, needed only for a tokenizer.json.
-    from tokenizers import Tokenizer  # pylint: disable=import-outside-toplevel
+    from tokenizers import Tokenizer  # noqa: PLC0415
     try:
       tok = Tokenizer.from_file(json_path)
-    except Exception as e:  # tokenizers raises its own Exception type
+    except Exception as e:  # noqa: BLE001 (tokenizers raises its own Exception type)
       raise UserError(f"{json_path}: not a tokenizers tokenizer.json ({e})") from None
     ids = {k: tok.token_to_id(_token_name(special.get(f"{k}_token")) or default)
            for k, default in (("eos", "<eos>"), ("bos", "<bos>"), ("pad", "<pad>"))}

@@ -32,7 +32,7 @@ def _read_safetensors(path: str) -> dict[str, np.ndarray]:
   try:
     with safe_open(path, framework="numpy") as f:
       return {k: f.get_tensor(k) for k in f.keys()}
-  except Exception as e:  # safetensors raises its own SafetensorError
+  except Exception as e:  # noqa: BLE001 (safetensors raises its own SafetensorError)
     raise UserError(f"{path}: cannot read safetensors file ({e})") from None
 
 
