@@ -23,7 +23,9 @@ from typing import Any
 
 import jax
 
-from t5forge import decoding, files, multihost, provenance
+from t5forge import convert, data, decoding, files, multihost, opener, provenance
+from t5forge.convert import native, paths
+from t5forge.data import vocab_io
 from t5forge.errors import UserError
 from t5forge.predict import DecodeOptions, Predictor
 from t5forge.sharding import Partitioner
@@ -73,7 +75,6 @@ class InferenceEvaluator:
                model_dir: str | None = None, output_dir: str | None = None,
                decode_options: DecodeOptions | None = None, num_examples: int | None = None,
                write_predictions: bool = True, metric_writer=None, param_shardings=None):
-    from t5forge import data  # noqa: PLC0415
     if dataset_cfg.module:
       data.import_task_module(dataset_cfg.module, flag="--module / MIXTURE_OR_TASK_MODULE")
     self.model = model
@@ -94,7 +95,6 @@ class InferenceEvaluator:
     self.no_tasks_reason = (f"{dataset_cfg.mixture_or_task_name!r}: no task has a "
                             f"{dataset_cfg.split!r} split with metric_fns to evaluate")
     if model.vocabulary is not None:  # it decodes the predictions of every task
-      from t5forge.data import vocab_io  # noqa: PLC0415
       for task in tasks:
         vocab_io.check_task(task, model.vocabulary, against="the model (its VOCABULARY)",
                             fix="Evaluate a task with the model's vocabulary "
@@ -178,7 +178,6 @@ class InferenceEvaluator:
     default, for the trainer's hook: MODEL_DIR/checkpoint_<step>, content unknown)."""
     ds = self.datasets[name]
     if checkpoint is None and self.model_dir is not None:
-      from t5forge.convert import native  # noqa: PLC0415
       checkpoint = {"path": native.step_dir(os.path.abspath(self.model_dir), step),
                     "step": int(step), "format": "t5forge", "content": None}
     n = ds.num_examples if self.num_examples is None else min(self.num_examples,
@@ -226,7 +225,7 @@ class InferenceEvaluator:
 
   def _tensorboard(self, name: str):
     if name not in self._writers:
-      from tensorboardX import SummaryWriter  # noqa: PLC0415
+      from tensorboardX import SummaryWriter  # noqa: PLC0415 (slow or optional import, on first use)
       self._writers[name] = SummaryWriter(os.path.join(self.output_dir, name))
     return self._writers[name]
 
@@ -316,9 +315,6 @@ def evaluate(*, dataset_cfg, restore_checkpoint_cfg, model=None, output_dir: str
     {step: {"inference_eval/<task>/<metric>": value, ".../num_examples": n}} for the
     checkpoints evaluated now.
   """
-  from t5forge import convert, data, opener  # noqa: PLC0415
-  from t5forge.convert import paths  # noqa: PLC0415
-  from t5forge.data import vocab_io  # noqa: PLC0415
   path, mode = restore_checkpoint_cfg.path, restore_checkpoint_cfg.mode
   if not path:
     raise UserError("no checkpoint to evaluate; set CHECKPOINT_PATH (--checkpoint)")

@@ -18,6 +18,7 @@ k top_logprobs.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable
 
@@ -208,7 +209,6 @@ class Generator:
 
   def _context(self):
     if self.partitioner is None:
-      import contextlib  # noqa: PLC0415
       return contextlib.nullcontext()
     return self.partitioner.activation_context()
 

@@ -35,9 +35,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from t5forge import decoding, files, multihost, provenance
-from t5forge.errors import UserError
+from t5forge import data, decoding, files, multihost, opener, provenance
+from t5forge.data import vocab_io
 from t5forge.data.files import iter_lines
+from t5forge.errors import UserError
 from t5forge.predict import DecodeOptions, Predictor, features_from_tokens
 from t5forge.sharding import Partitioner
 
@@ -104,7 +105,6 @@ def examples_from_task(name: str, split: str,
                        use_cached: bool = False) -> tuple[list[Example], Any]:
   """A task's split as examples (preprocessed, untrimmed), and the task; `use_cached`:
   from its SeqIO cache."""
-  from t5forge import data  # noqa: PLC0415
   task = data.get_mixture_or_task(name)
   if not hasattr(task, "output_features"):
     raise UserError(f"{name!r} is a mixture; infer one of its tasks")
@@ -352,8 +352,6 @@ def infer_task(*, restore_checkpoint_cfg, output_dir: str, dataset_cfg=None,
     mode, partitioner, decode_options, chunk_size, strict, overwrite: as `infer`;
       `overwrite` replaces earlier output of other work.
   """
-  from t5forge import data, opener  # noqa: PLC0415
-  from t5forge.data import vocab_io  # noqa: PLC0415
   task = dataset_cfg.mixture_or_task_name if dataset_cfg is not None else None
   if not restore_checkpoint_cfg.path:
     raise UserError("no checkpoint to infer with; set CHECKPOINT_PATH (--checkpoint)")

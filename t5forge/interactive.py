@@ -23,11 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5forge import models
+from t5forge import models, opener, presets
 from t5forge import nn as t5nn
-from t5forge import opener
-from t5forge import presets
 from t5forge.convert import LoadedCheckpoint, hf, native
+from t5forge.data import vocab_io
 from t5forge.decoding import text_ids
 from t5forge.errors import UserError
 from t5forge.nn.config import ModelConfig
@@ -248,9 +247,9 @@ class Model:
     Returns:
       {'loss': per-target-token loss, 'accuracy': ...} of this batch before the update.
     """
-    from t5forge.train import optim  # noqa: PLC0415
-    from t5forge.train.state import create  # noqa: PLC0415
-    from t5forge.train.step import make_train_step  # noqa: PLC0415
+    from t5forge.train import optim  # noqa: PLC0415 (the trainer and optax load on first use)
+    from t5forge.train.state import create  # noqa: PLC0415 (the trainer, on first use)
+    from t5forge.train.step import make_train_step  # noqa: PLC0415 (the trainer, on first use)
     if not examples:
       raise UserError("train_step() needs at least one example")
     batch = self._text_batch([e["inputs"] for e in examples], [e["targets"] for e in examples],
@@ -279,7 +278,6 @@ class Model:
 
   def save(self, path: str) -> None:
     """Writes a t5forge checkpoint directory (orbax), with the vocabulary."""
-    from t5forge.data import vocab_io  # noqa: PLC0415
     self._refuse_int8("save")
     native.save(path, self.config, self.params,
                 extra_config={"vocabulary": vocab_io.to_spec(self.vocabulary)})

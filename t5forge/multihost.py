@@ -11,6 +11,9 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
+
+from t5forge.errors import UserError
 
 
 def is_chief() -> bool:
@@ -21,7 +24,6 @@ def to_host(x) -> np.ndarray:
   """A (possibly multi-process) global array -> the full numpy array on every process."""
   if jax.process_count() == 1 or isinstance(x, np.ndarray) or x.is_fully_addressable:
     return np.asarray(x)
-  from jax.experimental import multihost_utils  # noqa: PLC0415
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
@@ -29,7 +31,6 @@ def gather_rows(local: np.ndarray) -> np.ndarray:
   """This process's rows [b_local, ...] -> every process's rows [b_local * n, ...]."""
   if jax.process_count() == 1:
     return np.asarray(local)
-  from jax.experimental import multihost_utils  # noqa: PLC0415
   return np.asarray(multihost_utils.process_allgather(np.asarray(local), tiled=True))
 
 
@@ -37,7 +38,6 @@ def gather_json(obj: Any) -> list:
   """Every process's JSON-able object, in process order (collectives on all processes)."""
   if jax.process_count() == 1:
     return [obj]
-  from jax.experimental import multihost_utils  # noqa: PLC0415
   raw = np.frombuffer(json.dumps(obj).encode(), np.uint8)
   lengths = multihost_utils.process_allgather(np.array([raw.size], np.int32))
   padded = np.zeros(int(np.max(lengths)), np.uint8)
@@ -50,7 +50,6 @@ def gather_json(obj: Any) -> list:
 def sync(name: str) -> None:
   """A barrier: every process reaches this point before any continues."""
   if jax.process_count() > 1:
-    from jax.experimental import multihost_utils  # noqa: PLC0415
     multihost_utils.sync_global_devices(name)
 
 
@@ -65,7 +64,6 @@ def initialize(*, coordinator_address: str | None = None, process_count: int | N
   process that stops sending heartbeats for `heartbeat_timeout_seconds` makes the others
   fail with an error instead of waiting forever.
   """
-  from t5forge.errors import UserError  # noqa: PLC0415
   explicit = (coordinator_address, process_count, process_index)
   if any(x is not None for x in explicit) and not all(x is not None for x in explicit):
     raise UserError("--coordinator_address, --process_count and --process_index go together; "

@@ -30,9 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from t5forge import convert, models, provenance
+from t5forge import nn as t5nn
 from t5forge.convert import LoadedCheckpoint, load_checkpoint, native
+from t5forge.data import vocab_io
 from t5forge.errors import UserError
+from t5forge.nn import quant
 from t5forge.nn.config import ModelConfig
+from t5forge.nn.stack import stack_layers, unstack_layers
 from t5forge.sharding import Partitioner, is_axes
 
 
@@ -70,7 +74,6 @@ class Opened:
 def _shardings(partitioner: Partitioner, axes: dict, params: dict) -> dict:
   """NamedShardings by the rules for `params` (arrays or ShapeDtypeStructs, float or int8
   kernels) whose logical axes are `axes`."""
-  from t5forge.nn import quant  # noqa: PLC0415
 
   def one(path, spec, leaf):
     what = "params" + jax.tree_util.keystr(path)
@@ -136,7 +139,6 @@ def open_checkpoint(path: str, *, vocabulary=None, model=None, overrides: dict |
     load_overrides.update(scan_layers=model.config.scan_layers,
                           weight_dtype=model.config.weight_dtype)
   ckpt, stored_config = _read(path, load_overrides)
-  from t5forge.data import vocab_io  # noqa: PLC0415
   if vocabulary_path:
     vocabulary = vocab_io.from_model_file(vocabulary_path, ckpt.config)
   if vocabulary is None:
@@ -203,7 +205,6 @@ def _restore_on_mesh(partitioner: Partitioner, model, ckpt: LoadedCheckpoint,
   sharding; with another (`scan_layers` changed on load) it is restored with the stored
   layout's sharding by the same rules and relaid out by one jitted function on the mesh.
   """
-  from t5forge import nn as t5nn  # noqa: PLC0415
   models.check_params_fit(model, t5nn.abstract_params(ckpt.config),
                           source=ckpt.source_for(model.config))
   stored = t5nn.abstract_params(stored_config)
@@ -213,7 +214,6 @@ def _restore_on_mesh(partitioner: Partitioner, model, ckpt: LoadedCheckpoint,
     return native.restore_params(ckpt.path, _targets(stored, shardings)), shardings
   params = native.restore_params(ckpt.path, _targets(
       stored, _shardings(partitioner, t5nn.logical_axes(stored_config), stored)))
-  from t5forge.nn.stack import stack_layers, unstack_layers  # noqa: PLC0415
 
   def relayout(tree):
     return stack_layers(tree, stack=jnp.stack) if to_scanned else unstack_layers(tree)

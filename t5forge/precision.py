@@ -18,6 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
+from t5forge import multihost
+
 # /proc/cpuinfo flags that give XLA native bf16 matmuls on x86 (best first).
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 # How a run sets the dtype: `t5forge train`'s gin flag ({} is the value).
@@ -115,9 +119,7 @@ def machine(platform: str | None = None,
             flags: frozenset[str] | None = None) -> tuple[str, frozenset[str]]:
   """JAX's backend and the CPU flags; in a multi-process job, process 0's flags, so that
   every process compiles the same program even on mixed hosts."""
-  import jax  # noqa: PLC0415
   platform = jax.default_backend() if platform is None else platform
   if flags is None:
-    from t5forge import multihost  # noqa: PLC0415
     flags = frozenset(multihost.gather_json(sorted(cpu_flags()))[0])
   return platform, flags

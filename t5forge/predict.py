@@ -12,6 +12,7 @@ seed) are passed as arrays, so changing them does not recompile.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -180,7 +181,6 @@ class Predictor:
     return out
 
   def _context(self):
-    import contextlib  # noqa: PLC0415
     return (self.partitioner.activation_context() if self.partitioner is not None
             else contextlib.nullcontext())
 

@@ -10,6 +10,7 @@ import contextlib
 
 import flax.linen as nn
 import jax
+import numpy as np
 
 from t5forge.errors import UserError
 
@@ -173,7 +174,6 @@ class Partitioner:
   def place(self, tree, shardings=None):
     """Host (numpy) arrays present on every process -> global arrays with the given
     shardings (default: replicated). Works with one or several processes."""
-    import numpy as np  # noqa: PLC0415
     if shardings is None:
       shardings = jax.tree.map(lambda _: self.replicated(), tree)
 

@@ -39,14 +39,14 @@ FAST_FLAGS = ["--max_batch_size", "8", "--batch_buckets", "1,8", "--length_bucke
 # -- models ---------------------------------------------------------------------------------
 def bundled_vocabulary():
   """The bundled SentencePiece vocabulary with T5's 100 sentinels (8,100 ids)."""
-  from t5forge.data.vocab import SentencePieceVocabulary  # noqa: PLC0415
+  from t5forge.data.vocab import SentencePieceVocabulary  # noqa: PLC0415 (the harness imports no jax until a fixture needs it)
   return SentencePieceVocabulary(BUNDLED_VOCABULARY, extra_ids=EXTRA_IDS)
 
 
 def checkpoint_with_vocabulary(path: str, preset: str, seed: int) -> str:
   """A random-init `preset` whose vocabulary is the bundled one, saved with `Model.save`
   (the checkpoint carries its vocabulary, as `t5forge serve` needs); returns `path`."""
-  import t5forge  # noqa: PLC0415
+  import t5forge  # noqa: PLC0415 (as above)
   vocab = bundled_vocabulary()
   t5forge.init(preset, vocabulary=vocab, vocab_size=vocab.vocab_size, seed=seed).save(path)
   return path

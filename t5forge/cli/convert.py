@@ -20,14 +20,14 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--to", required=True, choices=["t5forge", "hf"], help="output format")
   args = parser.parse_args(argv)
 
-  from t5forge.convert import hf, load_checkpoint, native, of_checkpoint, relayout  # noqa: PLC0415
-  from t5forge.data import vocab_io  # noqa: PLC0415
-  from t5forge.nn import count_params  # noqa: PLC0415
+  from t5forge.convert import hf, load_checkpoint, native, of_checkpoint, relayout  # noqa: PLC0415 (after the flags parse: --help stays fast)
+  from t5forge.data import vocab_io  # noqa: PLC0415 (after the flags parse: --help stays fast)
+  from t5forge.nn import count_params  # noqa: PLC0415 (after the flags parse: --help stays fast)
   ckpt = load_checkpoint(args.input)
   print(f"read {ckpt.format} checkpoint {ckpt.path}: {count_params(ckpt.params):,} parameters, "
         f"{ckpt.config.architecture}, emb_dim={ckpt.config.emb_dim}")
   if ckpt.format == "t5x" and ckpt.extras.get("param_states"):
-    import jax  # noqa: PLC0415
+    import jax  # noqa: PLC0415 (after the flags parse: --help stays fast)
     n = len(jax.tree.leaves(ckpt.extras["param_states"]))
     print(f"note: not converted: T5X optimizer state ({n} arrays) and step {ckpt.step}; "
           "the parameters are complete")

@@ -42,8 +42,8 @@ def add_partitioning(parser: argparse.ArgumentParser) -> None:
 def partitioner(args: argparse.Namespace, *, per_process: bool = False):
   """The Partitioner of --num_partitions / --parameter_partitioning_dims over all devices;
   per_process: over this process's devices (infer: each process its own chunks)."""
-  import jax  # noqa: PLC0415
-  from t5forge.sharding import Partitioner, standard_logical_axis_rules  # noqa: PLC0415
+  import jax  # noqa: PLC0415 (after the flags parse: --help stays fast)
+  from t5forge.sharding import Partitioner, standard_logical_axis_rules  # noqa: PLC0415 (after the flags parse: --help stays fast)
   devices = jax.local_devices() if per_process and jax.process_count() > 1 else None
   return Partitioner(num_partitions=args.num_partitions, devices=devices,
                      logical_axis_rules=standard_logical_axis_rules(

@@ -30,7 +30,7 @@ def _lengths(text: str | None) -> dict[str, int] | None:
       if out[k.strip()] <= 0:
         raise ValueError
     except ValueError:
-      from t5forge.errors import UserError  # noqa: PLC0415
+      from t5forge.errors import UserError  # noqa: PLC0415 (after the flags parse: --help stays fast)
       raise UserError(f"--feature_lengths {text!r}: {part.strip()!r} is not NAME=LENGTH with a "
                       "positive integer; write e.g. --feature_lengths inputs=512,targets=128") from None
   return out
@@ -40,10 +40,10 @@ def main(argv: list[str]) -> int:
   if any(a.startswith("--gin") for a in argv):
     files, bindings, paths, rest = gin_flags.split_flags(data_flags.take(argv))
     if rest:
-      from t5forge.errors import UserError  # noqa: PLC0415
+      from t5forge.errors import UserError  # noqa: PLC0415 (after the flags parse: --help stays fast)
       raise UserError(f"unknown flag(s) {rest} with --gin_file; set options as gin bindings")
     gin_flags.parse(files, bindings, paths)
-    from t5forge import evaluate  # noqa: PLC0415
+    from t5forge import evaluate  # noqa: PLC0415 (after the flags parse: --help stays fast)
     gin_flags.call(evaluate.evaluate)
     return 0
   parser = argparse.ArgumentParser(prog="t5forge eval", description=__doc__,
@@ -70,16 +70,16 @@ def main(argv: list[str]) -> int:
   decode_flags.add(parser)
   args = parser.parse_args(argv)
   data_flags.apply(args.tfds_data_dir, args.seqio_additional_cache_dirs)
-  from t5forge import evaluate  # noqa: PLC0415
+  from t5forge import evaluate  # noqa: PLC0415 (after the flags parse: --help stays fast)
   task = args.task
   if args.use_checkpoint_vocabulary:
-    from t5forge import data  # noqa: PLC0415
-    from t5forge import convert  # noqa: PLC0415
+    from t5forge import data  # noqa: PLC0415 (after the flags parse: --help stays fast)
+    from t5forge import convert  # noqa: PLC0415 (after the flags parse: --help stays fast)
     if args.module:
       data.import_task_module(args.module)
     task = data.with_vocabulary(task, convert.from_checkpoint(args.checkpoint))
-  from t5forge.convert import paths  # noqa: PLC0415
-  from t5forge.train.settings import DatasetConfig, RestoreCheckpointConfig  # noqa: PLC0415
+  from t5forge.convert import paths  # noqa: PLC0415 (after the flags parse: --help stays fast)
+  from t5forge.train.settings import DatasetConfig, RestoreCheckpointConfig  # noqa: PLC0415 (after the flags parse: --help stays fast)
   mode = args.mode or ("latest" if paths.is_model_dir(args.checkpoint) else "specific")
   evaluate.evaluate(
       dataset_cfg=DatasetConfig(task, _lengths(args.feature_lengths), split=args.split,

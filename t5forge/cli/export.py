@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
     given = [f"--{k}" for k in (*_JAX_DEFAULTS, "dtype", "platforms") if getattr(args, k)]
     if given:
       raise UserError(f"{', '.join(given)} apply to --format jax only, not hf")
-    from t5forge.cli import convert  # noqa: PLC0415
+    from t5forge.cli import convert  # noqa: PLC0415 (after the flags parse: --help stays fast)
     return convert.main(["--input", args.checkpoint, "--output", args.output, "--to", "hf"])
   if args.format != "jax":
     raise UserError(f"--format {args.format!r}: choose jax or hf")
@@ -79,8 +79,8 @@ def main(argv: list[str]) -> int:
   if args.dtype not in (None, "float32", "bfloat16"):
     raise UserError(f"--dtype {args.dtype!r}: choose float32 or bfloat16")
 
-  from t5forge.opener import open_checkpoint  # noqa: PLC0415
-  from t5forge.export import writer as export  # noqa: PLC0415
+  from t5forge.opener import open_checkpoint  # noqa: PLC0415 (after the flags parse: --help stays fast)
+  from t5forge.export import writer as export  # noqa: PLC0415 (after the flags parse: --help stays fast)
   for m in methods:
     if m not in export.METHODS:
       raise UserError(f"--methods: unknown method {m!r}; choose from {', '.join(export.METHODS)}")

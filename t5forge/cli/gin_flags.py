@@ -101,7 +101,7 @@ def parse(files: Sequence[str], bindings: Sequence[str], search_paths: Sequence[
   except (ValueError, KeyError, SyntaxError, ImportError, OSError, TypeError, NameError) as e:
     raise UserError(explain(e)) from None
   except AttributeError as e:  # a module a gin file imports (`import tasks`) names what is not
-    from t5forge.data.tasks import unknown_name_message  # noqa: PLC0415
+    from t5forge.data.tasks import unknown_name_message  # noqa: PLC0415 (after the flags parse: --help stays fast)
     raise UserError(f"a gin file's import failed: {unknown_name_message(e)}") from None
   finally:
     logging.getLogger().removeFilter(quiet)

@@ -23,12 +23,12 @@ from t5forge.errors import UserError
 
 def main(argv: list[str]) -> int:
   if any(a.startswith("--gin") for a in argv):  # T5X style: runs/infer.gin + bindings
-    from t5forge.cli import gin_flags  # noqa: PLC0415
+    from t5forge.cli import gin_flags  # noqa: PLC0415 (after the flags parse: --help stays fast)
     files, bindings, paths, rest = gin_flags.split_flags(data_flags.take(argv))
     if rest:
       raise UserError(f"unknown flag(s) {rest} with --gin_file; set options as gin bindings")
     gin_flags.parse(files, bindings, paths)
-    from t5forge import infer  # noqa: PLC0415
+    from t5forge import infer  # noqa: PLC0415 (after the flags parse: --help stays fast)
     result = gin_flags.call(infer.infer_task)
     print(f"wrote {result.num_examples} lines to {result.path}")
     return 0
@@ -69,8 +69,8 @@ def main(argv: list[str]) -> int:
   if args.use_cached and not args.task:
     raise UserError("--use_cached reads a task's SeqIO cache; it needs --task")
 
-  from t5forge import infer  # noqa: PLC0415
-  from t5forge.train.settings import DatasetConfig, RestoreCheckpointConfig  # noqa: PLC0415
+  from t5forge import infer  # noqa: PLC0415 (after the flags parse: --help stays fast)
+  from t5forge.train.settings import DatasetConfig, RestoreCheckpointConfig  # noqa: PLC0415 (after the flags parse: --help stays fast)
   lengths = {"targets": args.max_decode_length}
   if args.max_input_length:
     lengths["inputs"] = args.max_input_length

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
   try:
     rest, multihost_flags = _pop_multihost_flags(rest)
     if multihost_flags is not None:
-      from t5forge import multihost  # noqa: PLC0415
+      from t5forge import multihost  # noqa: PLC0415 (after the flags parse: --help stays fast)
       multihost.initialize(**multihost_flags)
     module = importlib.import_module(COMMANDS[name][0])
     code = module.main(rest)

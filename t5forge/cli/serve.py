@@ -114,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:
 def _buckets(args, manifest: dict | None = None) -> tuple:
   """Checks the bucket flags against each other and the limits; -> (Buckets, Limits).
   `manifest`: an exported directory's, whose shapes are the defaults and the bounds."""
-  from t5forge.serve import api, batcher  # noqa: PLC0415
+  from t5forge.serve import api, batcher  # noqa: PLC0415 (after the flags parse: --help stays fast)
   if args.max_batch_size < 1:
     raise UserError(f"--max_batch_size must be >= 1, got {args.max_batch_size}")
   if args.batch_buckets is None:
@@ -181,15 +181,15 @@ def main(argv: list[str]) -> int:
           file=sys.stderr, flush=True)
   sock = _bind(args.host, args.port)
 
-  from t5forge.export import loader as exported  # noqa: PLC0415
+  from t5forge.export import loader as exported  # noqa: PLC0415 (after the flags parse: --help stays fast)
   if exported.is_exported_dir(args.checkpoint):
     # Checked again now that the manifest's shapes are known.
     with open(os.path.join(args.checkpoint, "manifest.json"), encoding="utf-8") as f:
       buckets, limits = _buckets(args, json.load(f))
-  import jax  # noqa: PLC0415
-  from t5forge.serve import app as app_lib, batcher  # noqa: PLC0415
-  from t5forge.serve.service import Service  # noqa: PLC0415
-  from t5forge.serve.metrics import Metrics  # noqa: PLC0415
+  import jax  # noqa: PLC0415 (after the flags parse: --help stays fast)
+  from t5forge.serve import app as app_lib, batcher  # noqa: PLC0415 (after the flags parse: --help stays fast)
+  from t5forge.serve.service import Service  # noqa: PLC0415 (after the flags parse: --help stays fast)
+  from t5forge.serve.metrics import Metrics  # noqa: PLC0415 (after the flags parse: --help stays fast)
   t0 = time.monotonic()
   gen, vocab, kind_cls, check_kind = _open(args, buckets, exported)
   kinds = [kind_cls(method=m) for m in ("greedy", "sample") if m in warm]
@@ -231,7 +231,7 @@ def _open(args, buckets, exported) -> tuple:
       raise UserError(str(e)) from None
     vocab = gen.vocabulary
     if args.vocabulary:
-      from t5forge.data.vocab import SentencePieceVocabulary  # noqa: PLC0415
+      from t5forge.data.vocab import SentencePieceVocabulary  # noqa: PLC0415 (after the flags parse: --help stays fast)
       vocab = SentencePieceVocabulary(args.vocabulary, extra_ids=100)
     if vocab is None:
       raise UserError(f"{args.checkpoint}: this export holds no vocabulary (found "
@@ -239,7 +239,7 @@ def _open(args, buckets, exported) -> tuple:
                       "path/to/spiece.model")
     # What the export cannot run is a 400 naming the option, not a failed batch.
     return gen, vocab, exported.Kind, gen.check_kind
-  from t5forge import generation, opener  # noqa: PLC0415
+  from t5forge import generation, opener  # noqa: PLC0415 (after the flags parse: --help stays fast)
   opened = opener.open_checkpoint(args.checkpoint, vocabulary_path=args.vocabulary,
                                   overrides=decode_flags.runtime_overrides(args),
                                   partitioner=decode_flags.partitioner(args),
@@ -252,7 +252,7 @@ def _open(args, buckets, exported) -> tuple:
 
 
 def _run(app, service, sock, host: str, t0: float, devices: str) -> int:
-  import uvicorn  # noqa: PLC0415
+  import uvicorn  # noqa: PLC0415 (after the flags parse: --help stays fast)
 
   class Server(uvicorn.Server):
     def handle_exit(self, sig, frame):

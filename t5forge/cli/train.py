@@ -32,11 +32,11 @@ def main(argv: list[str]) -> int:
   print(host_memory.describe(), flush=True)
   gin_flags.parse(files, bindings, paths)
   show_precision(gin_flags.apply_precision())
-  import gin  # noqa: PLC0415
-  from t5forge.train import loop  # noqa: PLC0415
+  import gin  # noqa: PLC0415 (after the flags parse: --help stays fast)
+  from t5forge.train import loop  # noqa: PLC0415 (after the flags parse: --help stays fast)
   result = gin_flags.call(loop.train, operative_config=gin.config_str(),
                           show_progress=sys.stderr.isatty() or bool(os.environ.get("T5FORGE_PROGRESS")))
-  from t5forge import multihost  # noqa: PLC0415
+  from t5forge import multihost  # noqa: PLC0415 (after the flags parse: --help stays fast)
   if not multihost.is_chief():  # process 0 reports for the whole job
     return 0
   model_dir = gin.query_parameter("MODEL_DIR/macro.value") if _has_macro("MODEL_DIR") else None
@@ -55,7 +55,7 @@ def main(argv: list[str]) -> int:
 def show_precision(choice: precision.Choice) -> None:
   """Prints the run's precision line (and its note, if the choice is slow here) on the
   process that reports for the job; `t5forge demo` prints it the same way."""
-  from t5forge import multihost  # noqa: PLC0415
+  from t5forge import multihost  # noqa: PLC0415 (after the flags parse: --help stays fast)
   if multihost.is_chief():
     print(choice.line, flush=True)
     if choice.note:
@@ -63,7 +63,7 @@ def show_precision(choice: precision.Choice) -> None:
 
 
 def _has_macro(name: str) -> bool:
-  import gin  # noqa: PLC0415
+  import gin  # noqa: PLC0415 (after the flags parse: --help stays fast)
   try:
     gin.query_parameter(f"{name}/macro.value")
     return True

@@ -75,7 +75,7 @@ def _looks_like_hub_name(path: str) -> bool:
 
 def _download(name: str) -> str:
   try:
-    from huggingface_hub import snapshot_download  # noqa: PLC0415
+    from huggingface_hub import snapshot_download  # noqa: PLC0415 (slow or optional import, on first use)
     return snapshot_download(repo_id=name, allow_patterns=[
         "config.json", "*.safetensors", "*.safetensors.index.json", "spiece.model",
         "tokenizer.model", "tokenizer*.json", "special_tokens_map.json", "generation_config.json"])

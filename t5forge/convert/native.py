@@ -32,6 +32,7 @@ import numpy as np
 
 from t5forge.convert import manifest
 from t5forge.errors import UserError
+from t5forge.nn import abstract_params as _abstract
 from t5forge.nn.config import ModelConfig
 
 PARAMS = "params"
@@ -100,13 +101,13 @@ def latest_checkpoint(model_dir: str) -> str | None:
 
 
 def _checkpointer():
-  import orbax.checkpoint as ocp  # noqa: PLC0415
+  import orbax.checkpoint as ocp  # noqa: PLC0415 (slow import, on first use)
   return ocp, ocp.Checkpointer(ocp.CompositeCheckpointHandler())
 
 
 def save(path: str, config: ModelConfig, params: dict, *, extra_config: dict | None = None) -> None:
   """Writes a params-only checkpoint with its manifest (what `convert --to t5forge` produces)."""
-  import orbax.checkpoint as ocp  # noqa: PLC0415
+  import orbax.checkpoint as ocp  # noqa: PLC0415 (slow import, on first use)
   path = os.path.abspath(path)
   if os.path.exists(path) and os.listdir(path):
     raise UserError(f"{path}: exists and is not empty; choose a new output directory")
@@ -138,7 +139,7 @@ def _shape_difference(path: str, abstract_params) -> str | None:
   """The first parameter whose stored name or shape differs from `abstract_params`'s
   ('encoder/.../kernel: stored (64, 32), config (64, 16)'), None when all agree (or the
   stored shapes cannot be read: then the restore's own error says what went wrong)."""
-  import orbax.checkpoint as ocp  # noqa: PLC0415
+  import orbax.checkpoint as ocp  # noqa: PLC0415 (slow import, on first use)
   try:
     stored = ocp.StandardCheckpointHandler().metadata(pathlib.Path(path) / PARAMS)
   except Exception:  # noqa: BLE001 # unreadable metadata: no verdict
@@ -198,7 +199,7 @@ def restore_params(path: str, abstract_params) -> dict:
     UserError: the stored parameters differ in name or shape from `abstract_params`.
     manifest.CheckpointDamaged: Orbax cannot read them.
   """
-  import orbax.checkpoint as ocp  # noqa: PLC0415
+  import orbax.checkpoint as ocp  # noqa: PLC0415 (slow import, on first use)
   # Compared before restoring: Orbax restores a stored array into a target of another
   # shape without a word.
   difference = _shape_difference(os.path.abspath(path), abstract_params)
@@ -233,7 +234,6 @@ def load(path: str, *, abstract_params=None) -> tuple[ModelConfig, dict, dict]:
   """
   config, meta = read_header(path)
   if abstract_params is None:
-    from t5forge.nn import abstract_params as _abstract  # noqa: PLC0415
     # Place on this process's first device: a checkpoint written by another mesh or
     # process count restores anywhere once the target says where.
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])

@@ -74,7 +74,7 @@ def _is_ts_spec(x: Any) -> bool:
 
 def _read_tensorstore(spec: dict, ckpt_dir: str, name: str) -> np.ndarray:
   # Lazy: tensorstore takes ~0.7 s to import; only T5X checkpoints with external arrays need it.
-  import tensorstore as ts  # noqa: PLC0415
+  import tensorstore as ts  # noqa: PLC0415 (slow import, on first use)
   spec = dict(spec)
   kvstore = dict(spec.get("kvstore", {}))
   rel = kvstore.get("path", spec.pop("path", None))

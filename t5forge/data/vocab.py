@@ -25,6 +25,7 @@ import abc
 import functools
 import hashlib
 import io
+import json
 import os
 import re
 import threading
@@ -319,7 +320,7 @@ class TokenizersVocabulary(Vocabulary):
     if self._tokenizer is None:
       with self._lock:
         if self._tokenizer is None:
-          from tokenizers import Tokenizer  # noqa: PLC0415
+          from tokenizers import Tokenizer  # noqa: PLC0415 (slow or optional import, on first use)
           try:
             self._tokenizer = Tokenizer.from_file(self._path)
           except Exception as e:  # noqa: BLE001 (tokenizers raises its own Exception type)
@@ -336,7 +337,6 @@ class TokenizersVocabulary(Vocabulary):
 
   @functools.cached_property
   def unk_id(self) -> int | None:
-    import json  # noqa: PLC0415
     with open(self._path, encoding="utf-8") as f:
       model = json.load(f).get("model") or {}
     if model.get("unk_id") is not None:  # Unigram

@@ -137,7 +137,7 @@ def describe(vocab: Vocabulary | None) -> str:
 def _sentencepiece_core(path: str) -> bytes:
   """What decides a SentencePiece model's ids and text: the pieces and the normalizer;
   not the trainer's record of its input files."""
-  from sentencepiece import sentencepiece_model_pb2 as model_pb2  # noqa: PLC0415
+  from sentencepiece import sentencepiece_model_pb2 as model_pb2  # noqa: PLC0415 (slow or optional import, on first use)
   proto = model_pb2.ModelProto()
   with open(path, "rb") as f:
     proto.ParseFromString(f.read())

@@ -58,7 +58,7 @@ class Vocabulary:
   and including the first EOS; ids past the model's pieces become unk)."""
 
   def __init__(self, path: str, entry: dict):
-    import sentencepiece  # noqa: PLC0415
+    import sentencepiece  # noqa: PLC0415 (only a SentencePiece vocabulary needs it)
     self.processor = sentencepiece.SentencePieceProcessor(model_file=path)
     self.eos_id = int(entry["eos_id"])
     self.unk_id = int(entry["unk_id"])
@@ -115,7 +115,7 @@ class ExportedModel:
         if sha256_file(file) != digest:
           raise ExportError(f"{file}: sha256 differs from manifest.json (the file was changed "
                             "or damaged after export); re-export the model")
-    from safetensors.numpy import load_file  # noqa: PLC0415
+    from safetensors.numpy import load_file  # noqa: PLC0415 (slow or optional import, on first use)
     flat = load_file(os.path.join(self.path, m["parameters"]["file"]))
     self.params = {k: jax.device_put(v) for k, v in flat.items()}
     self.vocabulary = (Vocabulary(os.path.join(self.path, m["vocabulary"]["file"]),

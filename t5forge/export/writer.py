@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from t5forge import decoding, files
+from t5forge.data.vocab import SentencePieceVocabulary
 from t5forge.errors import UserError
 from t5forge.export import loader
 
@@ -164,7 +165,6 @@ def loader_requirements() -> list[str]:
 
 def _write_vocabulary(vocab, out_dir: str) -> dict | None:
   """Writes the SentencePiece model as the vocabulary loads it (sentinels appended)."""
-  from t5forge.data.vocab import SentencePieceVocabulary  # noqa: PLC0415
   if vocab is None:
     return None
   if not isinstance(vocab, SentencePieceVocabulary):
@@ -230,7 +230,7 @@ def export_jax(model, params: dict, vocab, out_dir: str, *, shapes: list[Shape],
   with files.staged_dir(out_dir) as tmp:
     os.makedirs(os.path.join(tmp, "functions"))
     flat = flatten_params(jax.device_get(params))
-    from safetensors.numpy import save_file  # noqa: PLC0415
+    from safetensors.numpy import save_file  # noqa: PLC0415 (slow or optional import, on first use)
     save_file(flat, os.path.join(tmp, PARAMS_FILE), metadata={"format": FORMAT})
     vocab_entry = _write_vocabulary(vocab, tmp)
     with open(loader.__file__, "rb") as f:

@@ -20,7 +20,9 @@ import uuid
 import fastapi
 from fastapi import responses
 
-from t5forge.serve import api, batcher as batching
+from t5forge.decoding import text_ids
+from t5forge.serve import api
+from t5forge.serve import batcher as batching
 from t5forge.serve.service import Service, resolver
 
 
@@ -144,7 +146,6 @@ async def complete(s: Service, request: fastapi.Request):
   def decode(tokens, length) -> str:
     ids = tokens[:int(length)].tolist()
     if s.stop_ids is not None:
-      from t5forge.decoding import text_ids  # noqa: PLC0415
       ids = text_ids(ids, s.stop_ids)  # <end_of_turn> ends the text, not part of it
     return s.vocabulary.decode(ids)
 

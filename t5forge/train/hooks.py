@@ -7,6 +7,7 @@ from typing import Any, Callable, Mapping
 import jax
 import numpy as np
 
+from t5forge import data
 from t5forge.errors import UserError
 from t5forge.train import metrics as metrics_lib
 from t5forge.train.settings import DatasetConfig, EarlyStopping
@@ -40,7 +41,6 @@ class TrainEvaluator:
 
   def __init__(self, cfg: DatasetConfig, *, model, eval_step: Callable, shard_batch: Callable,
                eval_steps: int | None, shard_index: int, num_shards: int, model_kind: str):
-    from t5forge import data  # noqa: PLC0415
     per_process = cfg.batch_size // num_shards
     self.datasets = data.get_eval_datasets(
         cfg.mixture_or_task_name, cfg.task_feature_lengths, per_process, split=cfg.split,

@@ -22,15 +22,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5forge import files, multihost
+from t5forge import data, files, multihost
+from t5forge.convert import from_checkpoint
+from t5forge.data import vocab_io
 from t5forge.errors import UserError
 from t5forge.models import BaseModel
 from t5forge.sharding import Partitioner
 from t5forge.train import checkpoint as ckpt_lib
-from t5forge.train import device_memory
-from t5forge.train import hooks
+from t5forge.train import device_memory, hooks, model_info, optim, run_lock
 from t5forge.train import metrics as metrics_lib
-from t5forge.train import model_info, optim, run_lock
 from t5forge.train.settings import (CheckpointConfig, DatasetConfig, EarlyStopping,
                                     SaveCheckpointConfig, Trainer)
 from t5forge.train.state import TrainState
@@ -232,7 +232,6 @@ class _Run:
 
   # -- stage 1: data ----------------------------------------------------------------------
   def setup_data(self, cfg: DatasetConfig) -> None:
-    from t5forge import data  # noqa: PLC0415
     if cfg.module:
       data.import_task_module(cfg.module, flag="MIXTURE_OR_TASK_MODULE")
     self.global_batch = int(cfg.batch_size)
@@ -249,7 +248,6 @@ class _Run:
     if self.model.vocabulary is None:  # T5X's VOCABULARY = None: the task's vocabulary
       self.model.vocabulary = vocab
     else:  # it decodes infer-eval predictions and is saved with every checkpoint
-      from t5forge.data import vocab_io  # noqa: PLC0415
       vocab_io.check_task(task, self.model.vocabulary, against="the model (its VOCABULARY)",
                           fix=_MODEL_VOCABULARY_FIX)
     self.shard_index, self.num_shards = self.partitioner.host_batch_slice(self.global_batch)
@@ -340,8 +338,6 @@ class _Run:
   def check_vocabulary(self, path: str, *, fix: str, allow: bool = False) -> None:
     """Refuses (with `allow`: warns) when the checkpoint at `path` stores another
     vocabulary than the task's: its embeddings would read the task's ids as other words."""
-    from t5forge.convert import from_checkpoint  # noqa: PLC0415
-    from t5forge.data import vocab_io  # noqa: PLC0415
     theirs = from_checkpoint(path)
     diff = theirs is not None and vocab_io.difference(self.model.vocabulary, theirs)
     if diff and allow:
@@ -368,8 +364,6 @@ class _Run:
           train_eval_cfg, model=self.model, eval_step=self.eval_step,
           shard_batch=self.partitioner.shard_batch, eval_steps=eval_steps,
           shard_index=self.shard_index, num_shards=self.num_shards, model_kind=self.model_kind)
-      from t5forge import data  # noqa: PLC0415
-      from t5forge.data import vocab_io  # noqa: PLC0415
       vocab_io.check_task(data.get_mixture_or_task(train_eval_cfg.mixture_or_task_name),
                           self.model.vocabulary, against="the model (its VOCABULARY)",
                           fix=_MODEL_VOCABULARY_FIX)
@@ -455,7 +449,6 @@ _MODEL_VOCABULARY_FIX = (
 
 
 def _config_item(model: BaseModel) -> dict:
-  from t5forge.data import vocab_io  # noqa: PLC0415
   return {"model": model.config.to_dict(), "vocabulary": vocab_io.to_spec(model.vocabulary)}
 
 

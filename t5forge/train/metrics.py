@@ -82,7 +82,7 @@ class MetricWriter:
 
   def _writer(self, subdir: str):
     if subdir not in self._writers:
-      from tensorboardX import SummaryWriter  # noqa: PLC0415
+      from tensorboardX import SummaryWriter  # noqa: PLC0415 (slow or optional import, on first use)
       self._writers[subdir] = SummaryWriter(os.path.join(self.model_dir, subdir))
     return self._writers[subdir]
 
@@ -120,7 +120,7 @@ class Progress:
     self._total = total
     self._since: tuple[float, int] | None = None  # (time, step) after the compiling step
     if enabled:
-      from tqdm import tqdm  # noqa: PLC0415
+      from tqdm import tqdm  # noqa: PLC0415 (slow or optional import, on first use)
       self._bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True,
                        desc="train", smoothing=0.1)
 

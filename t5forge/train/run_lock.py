@@ -28,6 +28,9 @@ import socket
 import sys
 import time
 
+import jax
+
+from t5forge import multihost
 from t5forge.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -185,8 +188,6 @@ def lock_for_job(directory: str, *, command: str = "t5forge train",
   Returns:
     the held RunLock on process 0, None on the others.
   """
-  import jax  # noqa: PLC0415
-  from t5forge import multihost  # noqa: PLC0415
   lock, error = None, None
   if multihost.is_chief():
     lock = RunLock(directory, command=command)

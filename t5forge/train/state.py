@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from t5forge.train.optim import set_step
+
 
 @flax.struct.dataclass
 class TrainState:
@@ -20,7 +22,6 @@ class TrainState:
 
 def create(params: Any, optimizer: optax.GradientTransformation, step: int = 0) -> TrainState:
   """A state at `step` with freshly initialised optimizer statistics."""
-  from t5forge.train.optim import set_step  # noqa: PLC0415
   opt_state = optimizer.init(params)
   if step:
     opt_state = set_step(opt_state, step)

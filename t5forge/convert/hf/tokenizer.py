@@ -94,7 +94,7 @@ def write_t5(vocab: Vocabulary | None, out_dir: str) -> list[str]:
   if not isinstance(vocab, SentencePieceVocabulary):
     return [f"no tokenizer written: transformers has no tokenizer for {describe(vocab)}"]
   # Lazy: the protobuf module costs ~80 ms, needed only when a tokenizer is written.
-  from sentencepiece import sentencepiece_model_pb2 as model_pb2  # noqa: PLC0415
+  from sentencepiece import sentencepiece_model_pb2 as model_pb2  # noqa: PLC0415 (slow or optional import, on first use)
   with open(vocab.path, "rb") as f:
     blob = f.read()
   proto = model_pb2.ModelProto()
@@ -173,7 +173,7 @@ def read_gemma(path: str, hf_config: dict) -> Vocabulary | None:
     special = {**_read_optional(os.path.join(path, "special_tokens_map.json")),
                **_read_optional(os.path.join(path, "tokenizer_config.json"))}
     # Lazy: `tokenizers` is an optional dependency, needed only for a tokenizer.json.
-    from tokenizers import Tokenizer  # noqa: PLC0415
+    from tokenizers import Tokenizer  # noqa: PLC0415 (slow or optional import, on first use)
     try:
       tok = Tokenizer.from_file(json_path)
     except Exception as e:  # noqa: BLE001 (tokenizers raises its own Exception type)
