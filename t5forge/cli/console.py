@@ -1,4 +1,4 @@
-"""What the command line shows of the library's log: a plain handler on the "t5forge" logger.
+"""What the command line shows of the library's log: one plain handler.
 
 Library modules log through `logging.getLogger("t5forge")` (or a child of it) and print
 nothing; a library user sees warnings (Python's last-resort handler) and configures the rest
@@ -25,9 +25,14 @@ class _Console(logging.Handler):
 
 
 def install() -> None:
-  """Adds the console handler to the "t5forge" logger once and lets INFO through."""
+  """Adds the console handler to the root logger once and lets t5forge's INFO through.
+
+  On the root logger, as an application does: absl (which orbax logs through) calls
+  `logging.basicConfig()` when the root has no handler, which would print every record a
+  second time in its own format.
+  """
+  if not any(isinstance(h, _Console) for h in logging.root.handlers):
+    logging.root.addHandler(_Console())
   logger = logging.getLogger("t5forge")
-  if not any(isinstance(h, _Console) for h in logger.handlers):
-    logger.addHandler(_Console())
   if logger.level == logging.NOTSET or logger.level > logging.INFO:
     logger.setLevel(logging.INFO)

@@ -69,8 +69,10 @@ def main(argv: list[str]) -> int:
   if args.use_cached and not args.task:
     raise UserError("--use_cached reads a task's SeqIO cache; it needs --task")
 
-  from t5forge import infer  # noqa: PLC0415 (after the flags parse: --help stays fast)
+  from t5forge import data, infer  # noqa: PLC0415 (after the flags parse: --help stays fast)
   from t5forge.train.settings import DatasetConfig, RestoreCheckpointConfig  # noqa: PLC0415 (after the flags parse: --help stays fast)
+  if args.module:  # first, so that an error names the flag given here
+    data.import_task_module(args.module)
   lengths = {"targets": args.max_decode_length}
   if args.max_input_length:
     lengths["inputs"] = args.max_input_length
