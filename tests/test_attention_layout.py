@@ -26,6 +26,7 @@ def _dot_outputs(dtype, dropout):
   return re.findall(r"= (\w+\[[\d,]*\])\{[\d,]*\} dot\(", hlo)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,dropout", [(jnp.bfloat16, 0.1), (jnp.bfloat16, 0.0),
                                            (jnp.float32, 0.1)])
 def test_weighted_sums_are_row_major_products(dtype, dropout):

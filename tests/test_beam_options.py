@@ -115,6 +115,7 @@ def test_a_forced_eos_in_the_prompt_ends_the_beam():
   np.testing.assert_array_equal(decodes[1, -1], [3, 4, 2, 2, 2, 2])
 
 
+@pytest.mark.slow
 def test_predictor_honours_max_decode_steps_for_every_method():
   m = t5forge.init("t5_1_1.tiny", vocab_size=64)
   enc = np.random.default_rng(0).integers(2, 64, size=(3, 8)).astype(np.int32)
@@ -130,6 +131,7 @@ def test_predictor_honours_max_decode_steps_for_every_method():
   assert not short[:, :, 2:].any()
 
 
+@pytest.mark.slow
 def test_predictor_honours_max_decode_steps_for_decoder_only_prompts():
   """Decoder-only prompts are right-aligned and prefilled: the steps count after them."""
   m = t5forge.init("decoder_only.tiny", vocab_size=64)

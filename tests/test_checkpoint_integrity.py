@@ -16,6 +16,8 @@ from t5forge.convert import manifest, native
 from t5forge.errors import UserError
 from train_helpers import ROOT, run_train, write_gin
 
+pytestmark = pytest.mark.slow  # subprocess runs or heavy compiles: make test, not test-fast
+
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):

@@ -10,6 +10,8 @@ import t5forge
 from t5forge.generation import Generator, Kind
 from t5forge.sharding import Partitioner
 
+pytestmark = pytest.mark.slow  # subprocess runs or heavy compiles: make test, not test-fast
+
 VOCAB = 64
 LENGTH = 10  # decode length l
 B = 4

@@ -134,6 +134,7 @@ def test_bfloat16_weights_are_cast_to_float32(hf_dirs, tmp_path):
   assert all(x.dtype == np.float32 for x in jax.tree.leaves(params))
 
 
+@pytest.mark.slow
 def test_native_roundtrip_and_model_dir(hf_dirs, tmp_path):
   m = t5forge.load(hf_dirs("t5_1_0"))
   m.save(str(tmp_path / "mdir" / "checkpoint_7"))
@@ -151,6 +152,7 @@ def _cli(*args, env=None):
                         text=True, cwd=ROOT, env={**os.environ, **(env or {})}, timeout=300)
 
 
+@pytest.mark.slow
 def test_convert_cli_t5x_to_t5forge_to_hf(tmp_path):
   r = _cli("convert", "--input", T5X_FIXTURE, "--output", str(tmp_path / "ours"), "--to", "t5forge")
   assert r.returncode == 0, r.stderr
@@ -171,6 +173,7 @@ def _one_line_error(r):
   return lines[0]
 
 
+@pytest.mark.slow
 def test_bad_inputs_give_one_line(hf_dirs, tmp_path):
   empty = tmp_path / "empty"; empty.mkdir()
   (empty / "notes.txt").write_text("x")

@@ -13,6 +13,7 @@ DOCS = "python_docstring_summarize"
 pytestmark = pytest.mark.usefixtures("shared_cache")
 
 
+@pytest.mark.slow
 def test_docstring_task_examples_and_fixed_split():
   paths = pycorpus.docstring_split_files()
   assert paths == pycorpus.docstring_split_files()  # cached, same files
@@ -35,6 +36,7 @@ def test_docstring_task_examples_and_fixed_split():
   assert perfect["rouge1"] == pytest.approx(100.0)
 
 
+@pytest.mark.slow
 def test_english_span_corruption_task():
   lengths = {"inputs": 512, "targets": 114}
   ds = data.get_dataset("english_span_corruption", "train", lengths, seed=0)

@@ -64,6 +64,7 @@ def _one_line(e) -> str:
   return msg
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("split", ["train", "validation"])
 def test_cached_examples_are_what_seqio_yielded(split):
   task = register()

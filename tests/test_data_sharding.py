@@ -129,6 +129,7 @@ def _key(ex):
   return ex["inputs_pretokenized"] + "\t" + ex["targets_pretokenized"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(SOURCES))
 def test_two_hosts_read_disjoint_examples_that_cover_the_split(kind, tmp_path):
   task, split, cached = _register(kind, tmp_path)

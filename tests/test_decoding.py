@@ -12,6 +12,8 @@ import pytest
 from t5forge import decoding
 from t5forge.errors import UserError
 
+pytestmark = pytest.mark.slow  # subprocess runs or heavy compiles: make test, not test-fast
+
 V = 6  # 0 padding, 1 EOS, 2..5 words
 PAD, EOS = 0, 1
 WORDS = range(2, V)

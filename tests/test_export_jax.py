@@ -20,6 +20,8 @@ from t5forge.data.vocab import SentencePieceVocabulary
 from t5forge.export import loader as exported
 from train_helpers import ROOT, error_line
 
+pytestmark = pytest.mark.slow  # subprocess runs or heavy compiles: make test, not test-fast
+
 SPM = os.path.join(os.path.dirname(bundled_tasks.__file__), "bundled", "bible_en_es_8k.model")
 TEXTS = ["In the beginning God created the heaven and the earth.", "hello world", "a",
          "And God said, Let there be light: and there was light.", "Y dijo Dios"]

@@ -12,6 +12,8 @@ from t5forge.convert.hf import load_hf, params_to_state
 from t5forge.models import EncoderDecoderModel
 from t5forge.nn import attention, layers, matmul, philox, quant
 
+pytestmark = pytest.mark.slow  # subprocess runs or heavy compiles: make test, not test-fast
+
 RNG = np.random.default_rng(0)
 
 

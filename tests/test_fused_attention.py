@@ -16,6 +16,8 @@ from t5forge.nn import ModelConfig, build, init_params
 from t5forge.nn import attention as attn
 from t5forge.nn import fused_attention as fa
 
+pytestmark = pytest.mark.slow  # subprocess runs or heavy compiles: make test, not test-fast
+
 B, L, H, D = 2, 8, 4, 16
 # float32: both sides compute the same float32 sums in a different order.
 F32_TOL = dict(rtol=1e-5, atol=1e-5)

@@ -9,6 +9,8 @@ import torch
 import t5forge
 from hf_reference import build_hf_dir, load_hf_model, random_batch
 
+pytestmark = pytest.mark.slow  # subprocess runs or heavy compiles: make test, not test-fast
+
 MAX_NEW = 12
 
 

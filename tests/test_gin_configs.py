@@ -12,6 +12,8 @@ from t5forge import presets
 from t5forge.cli import gin_flags
 from train_helpers import ROOT
 
+pytestmark = pytest.mark.slow  # subprocess runs or heavy compiles: make test, not test-fast
+
 CONFIGS = os.path.join(ROOT, "t5forge", "configs")
 MODEL_GINS = sorted(glob.glob(os.path.join(CONFIGS, "models", "*", "*.gin")))
 EXAMPLE_GINS = sorted(glob.glob(os.path.join(CONFIGS, "examples", "*.gin")))

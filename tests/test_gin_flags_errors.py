@@ -128,6 +128,7 @@ _PARSE = ("import sys; from t5forge.cli import gin_flags; "
           "gin_flags.parse([sys.argv[1]], ['MODEL_DIR=\"/tmp/unused\"']); print('parsed')")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("with_runs_folder", [False, True])
 def test_package_gin_files_resolve_from_any_directory(tmp_path, with_runs_folder):
   """`--gin_file=t5forge/configs/examples/...` from another directory, also one holding a

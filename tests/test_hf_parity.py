@@ -9,6 +9,8 @@ import pytest
 import t5forge
 from hf_reference import VARIANTS, hf_forward, load_hf_model, random_batch
 
+pytestmark = pytest.mark.slow  # subprocess runs or heavy compiles: make test, not test-fast
+
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 

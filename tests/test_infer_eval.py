@@ -10,6 +10,8 @@ import pytest
 
 from train_helpers import ROOT, error_line, run_train, write_gin
 
+pytestmark = pytest.mark.slow  # subprocess runs or heavy compiles: make test, not test-fast
+
 
 def _cli(*args, timeout=600):
   return subprocess.run([sys.executable, "-m", "t5forge", *args], capture_output=True,

@@ -10,6 +10,8 @@ import pytest
 
 from train_helpers import ROOT, error_line, read_jsonl, run_train, write_gin
 
+pytestmark = pytest.mark.slow  # subprocess runs or heavy compiles: make test, not test-fast
+
 TASKS_PY = '''
 import functools
 from t5forge import metrics

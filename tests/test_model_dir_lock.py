@@ -18,6 +18,8 @@ from t5forge.errors import UserError
 from t5forge.train import run_lock
 from train_helpers import ROOT, error_line, read_jsonl, run_train, train_cmd, write_gin
 
+pytestmark = pytest.mark.slow  # subprocess runs or heavy compiles: make test, not test-fast
+
 HOST = socket.gethostname()
 
 

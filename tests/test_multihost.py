@@ -16,6 +16,8 @@ import pytest
 from t5forge.convert import native
 from train_helpers import ROOT, read_jsonl, write_gin
 
+pytestmark = pytest.mark.slow  # subprocess runs or heavy compiles: make test, not test-fast
+
 
 def _port() -> int:
   with socket.socket() as s:

@@ -10,6 +10,8 @@ from t5forge.errors import UserError
 from t5forge.nn import ModelConfig, build, init_params
 from t5forge.nn.attention import relative_position_bucket
 
+pytestmark = pytest.mark.slow  # subprocess runs or heavy compiles: make test, not test-fast
+
 CFG = ModelConfig(vocab_size=97, emb_dim=32, num_heads=4, head_dim=8, mlp_dim=64,
                   num_encoder_layers=2, num_decoder_layers=2, dropout_rate=0.1)
 DEC_ONLY = CFG.replace(architecture="decoder_only", num_encoder_layers=0)

@@ -36,6 +36,7 @@ def _mask(seed: int, shape=(4, 6, 64, 128), rate=0.1) -> np.ndarray:
   return np.asarray(philox.keep_mask(philox.seed_words(jax.random.key(seed)), shape, rate))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rate", [0.1, 0.5, 0.9])
 def test_keep_fraction_is_one_minus_rate(rate):
   m = _mask(0, rate=rate)
@@ -63,6 +64,7 @@ def test_masks_are_independent_across_elements_and_seeds():
   np.testing.assert_array_equal(_mask(0), _mask(0))
 
 
+@pytest.mark.slow
 def test_mask_of_any_rank():
   for shape in [(1000,), (7, 9), (2, 3, 5, 7, 11)]:
     m = _mask(3, shape, 0.25)

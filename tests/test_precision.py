@@ -105,6 +105,7 @@ def test_model_gins_leave_the_dtype_to_the_run():
         assert "\n  dtype =" not in f.read(), f"{family}/{name}"
 
 
+@pytest.mark.slow
 def test_train_prints_the_choice_records_it_and_reports_held_out_loss(tmp_path, monkeypatch,
                                                                       capsys):
   """A 2-step run with no dtype on a (faked) bf16 CPU: the precision line, dtype in

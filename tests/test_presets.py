@@ -9,6 +9,8 @@ from t5forge.errors import UserError
 from t5forge.nn import abstract_params, count_params, logical_axes
 from t5forge.sharding import PARAM_AXES
 
+pytestmark = pytest.mark.slow  # subprocess runs or heavy compiles: make test, not test-fast
+
 # T5 encoder-decoders; T5Gemma's counts are checked in tests/test_t5gemma_nn.py, T5Gemma
 # 2's in tests/test_t5gemma2_parity.py.
 ENC_DEC = [n for n in presets.names()

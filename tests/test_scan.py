@@ -135,6 +135,7 @@ def test_scanned_bfloat16_projection_keeps_its_operand():
   assert operand and f"named '{stack.KEPT}'" in operand[0], out.getvalue()
 
 
+@pytest.mark.slow
 def test_scanned_bfloat16_gradient_equals_the_loop(hf_dirs):
   """bf16 with scan (its residuals kept as uint16 bits): the gradient of the bf16 loop,
   up to bfloat16 rounding in other fusions."""

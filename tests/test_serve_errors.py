@@ -13,6 +13,8 @@ import pytest
 from t5forge import testing as sh
 from train_helpers import ROOT, error_line
 
+pytestmark = pytest.mark.slow  # subprocess runs or heavy compiles: make test, not test-fast
+
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 GOOD = {"prompt": "God is love.", "max_tokens": 4, "temperature": 0}

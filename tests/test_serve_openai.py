@@ -15,6 +15,8 @@ import pytest
 from t5forge import testing as sh
 from train_helpers import ROOT, read_jsonl
 
+pytestmark = pytest.mark.slow  # subprocess runs or heavy compiles: make test, not test-fast
+
 PROMPTS = ["translate English to Spanish: God is love.", "In the beginning God created",
            "¿Quién es?", "The Lord is my shepherd; I shall not want.", "Hello there, friend",
            "and the earth was without form", "Amen.", "Jesus wept."]

@@ -109,6 +109,7 @@ def _error(driver) -> str:
   return driver.find_element(By.ID, "error").text
 
 
+@pytest.mark.slow
 def test_page_is_served_self_contained(server):
   status, headers, body = request(server, "/")
   assert status == 200 and headers["content-type"].startswith("text/html")
@@ -118,6 +119,7 @@ def test_page_is_served_self_contained(server):
   assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", body)
 
 
+@pytest.mark.slow
 def test_page_shows_the_greedy_completion_score_and_latency(server, browser, tmp_path):
   want = _complete(server, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, logprobs=1)
   choice = want["choices"][0]

@@ -16,6 +16,7 @@ def ckpt(tmp_path_factory):
   return sh.tiny_checkpoint(str(tmp_path_factory.mktemp("serve_term") / "tiny"))
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_in_flight_refuses_new_exits_0(ckpt):
   # One row per model call and long outputs: the requests are still queued or running
   # when the signal arrives.

@@ -13,6 +13,8 @@ from t5forge.errors import UserError
 from t5forge.sharding import Partitioner, standard_logical_axis_rules
 from train_helpers import EIGHT, ROOT, write_gin
 
+pytestmark = pytest.mark.slow  # subprocess runs or heavy compiles: make test, not test-fast
+
 
 def test_meshes_match_one_device_and_shard_as_the_rules_say(tmp_path):
   r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "sharding_worker.py"),

@@ -21,6 +21,8 @@ from hf_t5gemma2_reference import (BOS, EOI, EOS, build_hf_dir, hf_forward, hf_f
                                    hf_greedy, load_hf_model, random_batch)
 from t5forge.errors import UserError
 
+pytestmark = pytest.mark.slow  # subprocess runs or heavy compiles: make test, not test-fast
+
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):

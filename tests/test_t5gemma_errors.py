@@ -32,6 +32,8 @@ from t5forge import decoding
 from t5forge.errors import UserError
 from train_helpers import ROOT, error_line
 
+pytestmark = pytest.mark.slow  # subprocess runs or heavy compiles: make test, not test-fast
+
 END_OF_TURN = 107
 STEPS = 10
 

@@ -13,6 +13,8 @@ from t5forge.errors import UserError
 from t5forge.nn import quant
 from t5forge.nn.stack import stack_layers
 
+pytestmark = pytest.mark.slow  # subprocess runs or heavy compiles: make test, not test-fast
+
 SIZES = ["s-s", "b-b", "l-l", "ml-ml", "xl-xl", "2b-2b", "9b-2b", "9b-9b", "tiny", "tiny_gqa"]
 TINY = ["tiny", "tiny_gqa"]
 

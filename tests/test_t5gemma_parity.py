@@ -26,6 +26,8 @@ from hf_t5gemma_reference import (BOS, EOS, VARIANTS, build_hf_dir, hf_forward,
                                   write_tokenizer_json)
 from t5forge.errors import UserError
 
+pytestmark = pytest.mark.slow  # subprocess runs or heavy compiles: make test, not test-fast
+
 
 @pytest.fixture(scope="module")
 def gemma_dirs(tmp_path_factory):

@@ -17,6 +17,8 @@ from t5forge.errors import UserError
 from train_helpers import (EIGHT, ROOT, error_line, final_params, fingerprints, kill_when,
                            read_jsonl, run_train, train_cmd, write_gin)
 
+pytestmark = pytest.mark.slow  # subprocess runs or heavy compiles: make test, not test-fast
+
 # Grouped-query attention (decoder 4 query heads over 2 kv heads, encoder 6 over 3), an
 # encoder wider than the decoder, sliding window 8 < the 32-token sequences.
 MODEL = "t5gemma/tiny_gqa"

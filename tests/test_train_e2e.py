@@ -13,6 +13,8 @@ from t5forge.convert import native
 from train_helpers import (fingerprints, final_params, kill_when, read_jsonl, run_train, train_cmd,
                            write_gin)
 
+pytestmark = pytest.mark.slow  # subprocess runs or heavy compiles: make test, not test-fast
+
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):

@@ -2,8 +2,12 @@
 simply nothing to do), and nothing half-written."""
 import os
 
+import pytest
+
 from t5forge.convert import native
 from train_helpers import error_line, run_train, write_gin
+
+pytestmark = pytest.mark.slow  # subprocess runs or heavy compiles: make test, not test-fast
 
 
 def test_batch_not_divisible_by_microbatches(tmp_path):

@@ -13,6 +13,8 @@ from t5forge.train import optim
 from t5forge.train.state import create
 from t5forge.train.step import make_train_step
 
+pytestmark = pytest.mark.slow  # subprocess runs or heavy compiles: make test, not test-fast
+
 RNG = np.random.default_rng(0)
 
 

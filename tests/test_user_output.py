@@ -27,6 +27,7 @@ def _env(**changes):
   return env
 
 
+@pytest.mark.slow
 def test_training_without_a_terminal_prints_a_line_per_report(tmp_path):
   gin = write_gin(tmp_path / "run.gin", steps=6, period=6, stats_period=2)
   # capture_output: stderr is a pipe, not a terminal, so there is no progress bar.

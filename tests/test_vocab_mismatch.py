@@ -108,6 +108,7 @@ def test_difference_names_both_vocabularies(tiny_spm, tmp_path):
   assert vocab_io.from_checkpoint(str(tmp_path)) == SentencePieceVocabulary(copy, extra_ids=100)
 
 
+@pytest.mark.slow
 def test_eval_refuses_another_vocabulary_and_runs_with_the_checkpoints(tiny_ckpt, tmp_path):
   args = ["eval", "--checkpoint", tiny_ckpt, "--task", TASK, "--num_examples", "2",
           "--feature_lengths", "inputs=32,targets=4", "--output_dir", str(tmp_path / "eval")]
@@ -161,6 +162,7 @@ def finetuned(flan_like_hf, tmp_path_factory):
   return model_dir
 
 
+@pytest.mark.slow
 def test_finetune_from_hf_gin_uses_the_checkpoints_vocabulary(finetuned, tiny_spm):
   spec = native.read_config(os.path.join(finetuned, "checkpoint_2"))["vocabulary"]
   with open(tiny_spm.path, "rb") as f:
@@ -168,6 +170,7 @@ def test_finetune_from_hf_gin_uses_the_checkpoints_vocabulary(finetuned, tiny_sp
   assert vocab_io.describe(vocab_io.from_spec(spec)) == "sentencepiece 400 ids (flan-like/spiece)"
 
 
+@pytest.mark.slow
 def test_finetune_refuses_another_vocabulary_unless_allowed(flan_like_hf, tmp_path):
   line = _refused(_train(tmp_path / "m", f'INITIAL_CHECKPOINT_PATH="{flan_like_hf}"',
                          f"MIXTURE_OR_TASK_NAME='{TASK}'"))
