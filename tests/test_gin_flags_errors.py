@@ -88,20 +88,20 @@ seqio.TaskRegistry.add(
 def test_gin_import_of_user_tasks_uses_gin_search_paths(tmp_path):
   user = tmp_path / "user_dir"
   user.mkdir()
-  (user / "issue15_user_tasks.py").write_text(_TASKS_PY.format(name="issue15_user_task"))
+  (user / "gin_path_user_tasks.py").write_text(_TASKS_PY.format(name="gin_path_user_task"))
   (user / "my.gin").write_text(textwrap.dedent(f"""\
       from __gin__ import dynamic_registration
-      import issue15_user_tasks
+      import gin_path_user_tasks
       include '{EXAMPLE}'
-      MIXTURE_OR_TASK_NAME = 'issue15_user_task'
+      MIXTURE_OR_TASK_NAME = 'gin_path_user_task'
       """))
   # Without the directory on the path: one line that says how to make it importable.
-  with pytest.raises(UserError, match=r"issue15_user_tasks.*PYTHONPATH.*--gin_search_paths"):
+  with pytest.raises(UserError, match=r"gin_path_user_tasks.*PYTHONPATH.*--gin_search_paths"):
     gin_flags.parse([str(user / "my.gin")], ['MODEL_DIR="/tmp/unused"'])
   # With --gin_search_paths (T5X's user-directory recipe) the module imports and registers.
   gin_flags.parse(["my.gin"], ['MODEL_DIR="/tmp/unused"'], [str(user)])
   from t5forge import data
-  assert data.get_mixture_or_task("issue15_user_task").name == "issue15_user_task"
+  assert data.get_mixture_or_task("gin_path_user_task").name == "gin_path_user_task"
 
 
 def test_unknown_task_says_how_user_tasks_are_registered():
