@@ -53,14 +53,18 @@ def _resolve(mod: str, is_pkg: bool, level: int, target: str | None) -> str:
   return ".".join(base + ([target] if target else []))
 
 
+def _parsed(mods: dict[str, str]):
+  """(module name, is a package __init__, its ast) for every module of `mods`."""
+  for mod, path in mods.items():
+    with open(path, encoding="utf-8") as f:
+      yield mod, path.endswith("__init__.py"), ast.parse(f.read(), path)
+
+
 def edges(root: str) -> list[Edge]:
   """Every import inside the package, as edges between its own modules."""
   mods = module_names(root)
   out = []
-  for mod, path in mods.items():
-    is_pkg = path.endswith("__init__.py")
-    with open(path, encoding="utf-8") as f:
-      tree = ast.parse(f.read(), path)
+  for mod, is_pkg, tree in _parsed(mods):
     inner_nodes = set()
     for node in ast.walk(tree):
       if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -152,10 +156,7 @@ def private_reach_ins(root: str) -> list[tuple[str, int, str]]:
   """
   mods = module_names(root)
   out = []
-  for mod, path in mods.items():
-    is_pkg = path.endswith("__init__.py")
-    with open(path, encoding="utf-8") as f:
-      tree = ast.parse(f.read(), path)
+  for mod, is_pkg, tree in _parsed(mods):
     bound: dict[str, str] = {}
     for node in ast.walk(tree):
       if isinstance(node, ast.ImportFrom):
@@ -181,11 +182,8 @@ def private_reach_ins(root: str) -> list[tuple[str, int, str]]:
 
 def inner_imports(root: str) -> list[tuple[str, int, str]]:
   """(module, line, imported name) for each import statement inside a function body."""
-  mods = module_names(root)
   out = []
-  for mod, path in mods.items():
-    with open(path, encoding="utf-8") as f:
-      tree = ast.parse(f.read(), path)
+  for mod, _, tree in _parsed(module_names(root)):
     for node in ast.walk(tree):
       if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         for sub in ast.walk(node):
