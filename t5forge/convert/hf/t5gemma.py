@@ -31,6 +31,23 @@ _SHARED = ("rms_norm_eps", "query_pre_attn_scalar", "attn_logit_softcapping", "s
            "max_position_embeddings")
 
 
+
+def check_halves_agree(hf_cfg: dict, enc: dict, dec: dict, shared: tuple[str, ...],
+                       source: str, *, encoder: str, model: str) -> int:
+  """The one vocab_size of the top level, encoder and decoder configs; UserError unless
+  they give one and the encoder and decoder agree on every field in `shared`. `encoder`
+  names the encoder's config in messages ('encoder', 'encoder.text_config')."""
+  vocab = {int(v) for v in (hf_cfg.get("vocab_size"), enc.get("vocab_size"),
+                            dec.get("vocab_size")) if v is not None}
+  if len(vocab) != 1:
+    raise UserError(f"{source}: vocab_size differs between the top level, encoder and "
+                    f"decoder ({sorted(vocab) or 'none given'}); t5forge's {model} has one")
+  for name in shared:
+    if enc.get(name) != dec.get(name):
+      raise UserError(f"{source}: {encoder}.{name} = {enc.get(name)!r} but decoder.{name} = "
+                      f"{dec.get(name)!r}; t5forge's {model} needs them equal")
+  return vocab.pop()
+
 def _rope_theta(module: dict, where: str) -> float:
   rope = module.get("rope_parameters") or module.get("rope_scaling") or {}
   rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -91,15 +108,8 @@ def config_from_hf(hf_cfg: dict, *, source: str, untied_lm_head: bool = False,
                     f"{HF_ARCHITECTURE}; t5forge reads T5Gemma encoder-decoders")
   enc, dec = _module(hf_cfg, "encoder", source), _module(hf_cfg, "decoder", source)
   try:
-    vocab = {int(v) for v in (hf_cfg.get("vocab_size"), enc.get("vocab_size"),
-                              dec.get("vocab_size")) if v is not None}
-    if len(vocab) != 1:
-      raise UserError(f"{source}: vocab_size differs between the top level, encoder and "
-                      f"decoder ({sorted(vocab) or 'none given'}); t5forge's T5Gemma has one")
-    for name in _SHARED:
-      if enc.get(name) != dec.get(name):
-        raise UserError(f"{source}: encoder.{name} = {enc.get(name)!r} but decoder.{name} = "
-                        f"{dec.get(name)!r}; t5forge's T5Gemma needs them equal")
+    vocab_size = check_halves_agree(hf_cfg, enc, dec, _SHARED, source, encoder="encoder",
+                                    model="T5Gemma")
     theta = _rope_theta(dec, f"{source} (decoder)")
     if _rope_theta(enc, f"{source} (encoder)") != theta:
       raise UserError(f"{source}: encoder and decoder rope_theta differ; t5forge needs one")
@@ -129,7 +139,7 @@ def config_from_hf(hf_cfg: dict, *, source: str, untied_lm_head: bool = False,
     window = dec.get("sliding_window")
     fields = dict(
         architecture=ARCHITECTURE,
-        vocab_size=vocab.pop(),
+        vocab_size=vocab_size,
         num_encoder_layers=int(enc["num_hidden_layers"]),
         num_decoder_layers=int(dec["num_hidden_layers"]),
         mlp_activations=("gelu", "linear"),

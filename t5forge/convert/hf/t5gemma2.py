@@ -116,15 +116,8 @@ def config_from_hf(hf_cfg: dict, *, source: str, generation: dict | None = None,
   enc = _text_config(encoder["text_config"], f"{source} (encoder.text_config)")
   dec = _text_config(hf_cfg["decoder"], f"{source} (decoder)")
   try:
-    vocab = {int(v) for v in (hf_cfg.get("vocab_size"), enc.get("vocab_size"),
-                              dec.get("vocab_size")) if v is not None}
-    if len(vocab) != 1:
-      raise UserError(f"{source}: vocab_size differs between the top level, encoder and "
-                      f"decoder ({sorted(vocab) or 'none given'}); T5Gemma 2 has one")
-    for name in _SHARED:
-      if enc.get(name) != dec.get(name):
-        raise UserError(f"{source}: encoder.text_config.{name} = {enc.get(name)!r} but "
-                        f"decoder.{name} = {dec.get(name)!r}; t5forge needs them equal")
+    vocab_size = t5gemma.check_halves_agree(hf_cfg, enc, dec, _SHARED, source,
+                                            encoder="encoder.text_config", model="T5Gemma 2")
     thetas = _rope(dec, f"{source} (decoder)")
     if _rope(enc, f"{source} (encoder)") != thetas:
       raise UserError(f"{source}: encoder and decoder rope_parameters differ; t5forge needs "
@@ -157,7 +150,6 @@ def config_from_hf(hf_cfg: dict, *, source: str, generation: dict | None = None,
               "mlp_dim": int(m["intermediate_size"])}
 
     d, e = dims(dec), dims(enc)
-    vocab_size = vocab.pop()
     eoi = int(hf_cfg.get("eoi_token_index", encoder.get("eoi_token_index", 256000)))
     cap = dec.get("final_logit_softcapping")
     return ModelConfig(
