@@ -79,12 +79,20 @@ class RelativePositionBias(nn.Module):
   @nn.compact
   def __call__(self, query_length: int, key_length: int,
                query_offset: jax.Array | int = 0) -> jax.Array:
-    """Returns the bias [1, h, q, k] for queries at positions query_offset + [0, q)."""
+    """Returns the bias [1, h, q, k] for queries at positions query_offset + [0, q);
+    query_offset [b] (one position per row, `t5forge.engine`'s slots) gives [b, h, q, k]."""
     rel_embedding = param_with_axes(
         self, "rel_embedding", nn.initializers.variance_scaling(1.0, "fan_avg", "uniform"),
         (self.num_heads, self.num_buckets), (ax.HEADS, ax.RELPOS_BUCKETS))
-    context = jnp.arange(query_length, dtype=jnp.int32)[:, None] + query_offset  # [q, 1]
+    context = jnp.arange(query_length, dtype=jnp.int32)[:, None]  # [q, 1]
     memory = jnp.arange(key_length, dtype=jnp.int32)[None, :]  # [1, k]
+    if jnp.ndim(query_offset):
+      context = context[None] + jnp.asarray(query_offset, jnp.int32)[:, None, None]  # [b, q, 1]
+      buckets = relative_position_bucket(memory[None] - context, bidirectional=self.bidirectional,
+                                         num_buckets=self.num_buckets,
+                                         max_distance=self.max_distance)  # [b, q, k]
+      return jnp.take(rel_embedding, buckets, axis=1).swapaxes(0, 1).astype(self.dtype)
+    context = context + query_offset
     buckets = relative_position_bucket(memory - context, bidirectional=self.bidirectional,
                                        num_buckets=self.num_buckets,
                                        max_distance=self.max_distance)  # [q, k]
@@ -141,19 +149,25 @@ def causal_mask(length: int, bidirectional_prefix: jax.Array | None = None) -> j
   return mask
 
 
+def _rows(mask: jax.Array) -> jax.Array:
+  """[q, k] -> [1, 1, q, k]; [b, q, k] (queries at per-row positions) -> [b, 1, q, k]."""
+  return mask[None, None] if mask.ndim == 2 else mask[:, None]
+
+
 def cached_causal_mask(query_pos: jax.Array, max_length: int) -> jax.Array:
-  """[1, 1, q, max_length] causal mask of queries at int positions query_pos [q] over a
-  decoding cache of max_length positions."""
-  return (jnp.arange(max_length)[None, :] <= query_pos[:, None])[None, None]
+  """[1 or b, 1, q, max_length] causal mask of queries at int positions query_pos [q]
+  (or [b, q], one set per row) over a decoding cache of max_length positions."""
+  return _rows(jnp.arange(max_length) <= query_pos[..., None])
 
 
 def window_mask(query_pos: jax.Array, key_pos: jax.Array, window: int,
                 causal: bool) -> jax.Array:
-  """[q], [k] int positions -> [1, 1, q, k] bool: keys within the sliding window,
-  0 <= i - j < window when causal, |i - j| <= window otherwise (transformers' T5Gemma)."""
-  delta = query_pos[:, None] - key_pos[None, :]
+  """[q] (or [b, q]), [k] int positions -> [1 (or b), 1, q, k] bool: keys within the
+  sliding window, 0 <= i - j < window when causal, |i - j| <= window otherwise
+  (transformers' T5Gemma)."""
+  delta = query_pos[..., None] - key_pos
   inside = (delta >= 0) & (delta < window) if causal else jnp.abs(delta) <= window
-  return inside[None, None]
+  return _rows(inside)
 
 
 def combine_masks(*masks: jax.Array | None) -> jax.Array | None:
@@ -259,7 +273,8 @@ class MultiHeadAttention(nn.Module):
       q = heads(matmul.dense(inputs_q.astype(self.dtype), kq), inputs_q, h, ax.ACT_HEADS)
     if self.rope_theta is not None:
       if positions is None:
-        positions = jnp.arange(inputs_q.shape[1]) + (0 if cache_index is None else cache_index)
+        positions = jnp.arange(inputs_q.shape[1]) + (
+            0 if cache_index is None else jnp.asarray(cache_index)[..., None])
       q = apply_rope(q, positions, self.rope_theta)
       if fused_qkv:
         k = apply_rope(k, positions, self.rope_theta)
@@ -438,7 +453,8 @@ def write_cache(module: nn.Module, k_new: jax.Array, v_new: jax.Array,
 
   Args:
     k_new, v_new: [b, n, q, d], head-major (see `cached_attention`).
-    cache_index: position of the first of the q new keys.
+    cache_index: position of the first of the q new keys: a scalar (every row at the
+      same position), or [b] (one per row, `t5forge.engine`'s slots).
     max_length: the cache's length.
 
   Returns:
@@ -450,8 +466,14 @@ def write_cache(module: nn.Module, k_new: jax.Array, v_new: jax.Array,
   cv = module.variable("cache", "cached_value", jnp.zeros, (b, n, max_length, d), v_new.dtype)
   if initialized:  # a real step: write in place
     zero = jnp.zeros((), jnp.int32)
-    ck.value = jax.lax.dynamic_update_slice(ck.value, k_new, (zero, zero, cache_index, zero))
-    cv.value = jax.lax.dynamic_update_slice(cv.value, v_new, (zero, zero, cache_index, zero))
+    if jnp.ndim(cache_index):
+      # One update per row ([n, max_length, d] at its own position): a scatter.
+      write = jax.vmap(lambda c, x, i: jax.lax.dynamic_update_slice(c, x, (zero, i, zero)))
+      ck.value = write(ck.value, k_new, cache_index)
+      cv.value = write(cv.value, v_new, cache_index)
+    else:
+      ck.value = jax.lax.dynamic_update_slice(ck.value, k_new, (zero, zero, cache_index, zero))
+      cv.value = jax.lax.dynamic_update_slice(cv.value, v_new, (zero, zero, cache_index, zero))
   return ck.value, cv.value
 
 

@@ -119,8 +119,10 @@ def decoder_masks(module: nn.Module, encoder_tokens, decoder_input_tokens, encod
     initialized = module.has_variable("cache", "index")
     index = module.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
     encoder_valid = module.variable("cache", "encoder_valid", lambda: encoder_tokens > 0)
+    # A scalar (every row at one position), or [b] set by `t5forge.engine` (a position
+    # per row: the decode slots of requests that started at different times).
     cache_index = index.value
-    positions = cache_index + jnp.arange(length)  # [t]
+    positions = cache_index[..., None] + jnp.arange(length)  # [t] or [b, t]
     keys = jnp.arange(max_decode_length)
     self_mask = attn.cached_causal_mask(positions, max_decode_length)  # [1, 1, t, max_len]
     local = (None if sliding_window is None

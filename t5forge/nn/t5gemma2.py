@@ -109,7 +109,8 @@ class Gemma3Attention(nn.Module):
     q, k, v = matmul.dense_multi(x.astype(dtype), [kq, kk, kv])
     q, k, v = heads(q, h, ax.ACT_HEADS), heads(k, n, ax.KV_HEADS), heads(v, n, ax.KV_HEADS)
     if positions is None:
-      positions = jnp.arange(x.shape[1]) + (0 if cache_index is None else cache_index)
+      positions = jnp.arange(x.shape[1]) + (
+          0 if cache_index is None else jnp.asarray(cache_index)[..., None])
     q = attn.apply_rope(query_norm(q), positions, theta, rope_factor)
     k = attn.apply_rope(key_norm(k), positions, theta, rope_factor)
     scalar = cfg.query_pre_attn_scalar or d
