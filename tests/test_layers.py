@@ -18,7 +18,7 @@ LAYERS = [
     {"__main__", "cli"},
     {"interactive", "testing"},
     {"serve", "train", "infer", "evaluate", "export"},
-    {"generation", "predict"},
+    {"generation", "predict", "engine"},
     {"models", "opener"},
     {"nn", "data", "convert", "decoding", "losses", "presets", "precision", "provenance"},
     {"sharding", "errors", "files", "metrics", "multihost", "host_memory"},

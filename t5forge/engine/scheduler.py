@@ -1,0 +1,374 @@
+"""The host side of the engine: a queue, a worker thread, and continuous batching.
+
+    engine = Engine(slots, max_queue=256, encode_budget=8)
+    engine.start()                           # compiles, then sets engine.ready
+    engine.submit([Row(ids, max_new_tokens=64, on_tokens=send, done=finish)])
+    row.cancel()                             # the client left: its slot is freed
+    engine.close(timeout=30)
+
+The worker loops: drop waiting rows whose client left (never encoded) or that waited
+longer than `max_queue_wait_s`; admit waiting rows into free slots, by priority (lower
+first, as vLLM) then arrival, encoding at most `encode_budget` rows per loop while other
+rows are decoding (all that fit when none are); run one `Slots.step` (k decode steps of
+every slot); hand each row its new tokens; finish rows that generated a stop id, reached
+`max_new_tokens`, asked to stop (`on_tokens` returned True: a stop string) or were
+cancelled, and free their slots for the next loop. A request that arrives while others
+decode waits at most one step for its slot, not for their whole batch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Callable
+
+import jax
+import numpy as np
+
+from t5forge.engine.slots import InsertRow, Slots
+
+
+class QueueFull(Exception):
+  """More rows wait than `max_queue`; the client should retry later."""
+
+
+class Closed(Exception):
+  """The server is shutting down and takes no new work."""
+
+
+class QueueTimeout(Exception):
+  """The row waited longer than `max_queue_wait_s` for a slot."""
+
+
+class Cancelled(Exception):
+  """The row's client left before it finished."""
+
+
+class ShutDown(Exception):
+  """The row was still running when the shutdown timeout ended."""
+
+
+_COMPILES = [0]
+
+
+def _count_compiles(event: str, _duration: float, **_kw) -> None:
+  if event == "/jax/core/compile/backend_compile_duration":
+    _COMPILES[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+
+
+def compile_count() -> int:
+  """XLA compilations in this process so far (all threads)."""
+  return _COMPILES[0]
+
+
+@dataclasses.dataclass
+class RowOutput:
+  """A finished row: its new tokens (the stop id included when it ended with one),
+  their log-probs, and each position's TOP_LOGPROBS most likely tokens."""
+  tokens: list[int]
+  logprobs: list[float]
+  top_ids: list[list[int]]
+  top_logprobs: list[list[float]]
+  finished: bool  # ended with a stop id (else max_new_tokens, or a stop string)
+
+
+@dataclasses.dataclass(eq=False)
+class Row:
+  """One decode. `on_tokens(tokens, logprobs, top_ids, top_logprobs)` gets each step's
+  new tokens (lists) and may return True to finish the row (a stop string was seen);
+  `done(RowOutput | exception)` is called once. Both run on the worker thread.
+
+  Attributes:
+    ids: encoder tokens ending in EOS.
+    seed: the sampling seed; rows with one seed and sample index draw the same tokens
+      whatever else runs beside them.
+    sample: which of a request's samples this row is (folded into its key).
+    priority: lower is admitted first.
+  """
+  ids: list[int]
+  max_new_tokens: int
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  seed: int = 0
+  sample: int = 0
+  priority: int = 0
+  on_tokens: Callable | None = None
+  done: Callable = lambda result: None
+  enqueued: float = dataclasses.field(default_factory=time.monotonic)
+  cancelled: bool = False
+  # Filled in by the worker.
+  out: RowOutput | None = None
+  first_token_at: float | None = None
+  last_token_at: float | None = None
+
+  def cancel(self) -> None:
+    """Frees the row's slot within a step, or drops it from the queue (thread-safe)."""
+    self.cancelled = True
+
+
+class Engine:
+  """Continuous batching over `Slots` on one worker thread.
+
+  Args:
+    slots: the compiled slot state.
+    max_queue: rows that may wait; more is QueueFull.
+    max_queue_wait_s: a row waiting longer fails with QueueTimeout (None: no limit).
+    encode_budget: rows encoded per loop while others decode (default half the slots).
+    metrics: a `t5forge.serve.metrics.Metrics`-like object, or None.
+  """
+
+  def __init__(self, slots: Slots, *, max_queue: int = 256,
+               max_queue_wait_s: float | None = None, encode_budget: int | None = None,
+               metrics=None, on_ready: Callable | None = None):
+    self.slots = slots
+    self.max_queue, self.max_queue_wait_s = max_queue, max_queue_wait_s
+    self.encode_budget = encode_budget or max(1, slots.num_slots // 2)
+    self.metrics, self._on_ready = metrics, on_ready
+    self._waiting: list[Row] = []
+    self._running: dict[int, Row] = {}  # slot -> row
+    self._release: set[int] = set()  # slots freed on the host, still active on the device
+    self._cond = threading.Condition()
+    self._closing = False
+    self._deadline: float | None = None  # shutdown: fail what still runs after this
+    self.ready = threading.Event()
+    self.failed: BaseException | None = None
+    self.compiled_shapes = 0
+    self.compiles_at_ready = 0
+    self._thread = threading.Thread(target=self._run, name="t5forge-engine", daemon=True)
+
+  # -- callers' side ----------------------------------------------------------------------------
+  def start(self) -> None:
+    self._thread.start()
+
+  def submit(self, rows: list[Row]) -> None:
+    """Queues rows together (all or none)."""
+    with self._cond:
+      if self._closing:
+        raise Closed()
+      if len(self._waiting) + len(rows) > self.max_queue:
+        raise QueueFull()
+      now = time.monotonic()
+      for r in rows:
+        r.enqueued = now
+      self._waiting.extend(rows)
+      self._gauges()
+      self._cond.notify()
+
+  def queue_depth(self) -> int:
+    with self._cond:
+      return len(self._waiting)
+
+  def in_use(self) -> int:
+    with self._cond:
+      return len(self._running)
+
+  def compiles_since_ready(self) -> int:
+    return compile_count() - self.compiles_at_ready
+
+  def close(self, timeout: float | None = None) -> None:
+    """Stops taking rows and joins the worker once the queue and the slots are empty.
+    With `timeout` (> 0), rows still waiting or running after it fail with ShutDown."""
+    with self._cond:
+      self._closing = True
+      if timeout:
+        self._deadline = time.monotonic() + timeout
+      self._cond.notify()
+    if self._thread.is_alive():
+      self._thread.join()
+
+  def generate(self, rows: list[Row]) -> list[RowOutput]:
+    """Runs rows to the end (the Python API and `t5forge infer`): they are fed to the
+    slots as slots free up. Raises the first row's exception."""
+    results: list = [None] * len(rows)
+    left = threading.Semaphore(0)
+    for i, r in enumerate(rows):
+      def done(res, i=i):
+        results[i] = res
+        left.release()
+      r.done = done
+    for start in range(0, len(rows), self.max_queue):
+      part = rows[start:start + self.max_queue]
+      self.submit(part)
+      for _ in part:
+        left.acquire()
+    for res in results:
+      if isinstance(res, BaseException):
+        raise res
+    return results
+
+  # -- the worker -------------------------------------------------------------------------------
+  def _gauges(self) -> None:
+    m = self.metrics
+    if m is not None:
+      m.queue_depth.set(len(self._waiting))
+      m.running.set(len(self._running))
+      m.slots_in_use.set(len(self._running) / self.slots.num_slots)
+
+  def _run(self) -> None:
+    try:
+      self.compiled_shapes = self.slots.warmup()
+      self.slots.reset()
+    except BaseException as e:  # noqa: BLE001
+      # Reported by /health and the CLI; queued rows fail rather than hang.
+      self.failed = e
+      with self._cond:
+        self._closing = True
+        rows, self._waiting = self._waiting, []
+      for r in rows:
+        r.done(e)
+      self.ready.set()
+      if self._on_ready:
+        self._on_ready()
+      return
+    self.compiles_at_ready = compile_count()
+    self.ready.set()
+    if self._on_ready:
+      self._on_ready()
+    while True:
+      admitted, dropped = self._admit()
+      if admitted is None:
+        return
+      for r, exc, stage in dropped:
+        if self.metrics is not None:
+          self.metrics.cancelled.labels(stage).inc()
+        r.done(exc)
+      if admitted:
+        self._insert(admitted)
+      if self._running:
+        self._step()
+
+  def _admit(self):
+    """Blocks until there is work; -> (rows placed in slots, [(row, exception, stage)]
+    to fail), or (None, []) when closed and empty."""
+    with self._cond:
+      while not self._waiting and not self._running:
+        if self._closing:
+          return None, []
+        self._cond.wait()
+      now = time.monotonic()
+      dropped, keep = [], []
+      expired = self._deadline is not None and now >= self._deadline
+      for r in self._waiting:
+        if r.cancelled:
+          dropped.append((r, Cancelled(), "queued"))
+        elif expired:
+          dropped.append((r, ShutDown("the server shut down before this row started"),
+                          "shutdown"))
+        elif self.max_queue_wait_s is not None and now - r.enqueued > self.max_queue_wait_s:
+          dropped.append((r, QueueTimeout(), "queue_timeout"))
+        else:
+          keep.append(r)
+      if expired:
+        for slot, r in list(self._running.items()):
+          dropped.append((r, ShutDown("the server shut down before this row finished"),
+                          "shutdown"))
+          del self._running[slot]
+          self._release.add(slot)
+      free = [s for s in range(self.slots.num_slots) if s not in self._running]
+      budget = len(free) if not self._running else min(len(free), self.encode_budget)
+      keep.sort(key=lambda r: (r.priority, r.enqueued))
+      admitted, self._waiting = keep[:budget], keep[budget:]
+      for r, slot in zip(admitted, free):
+        self._running[slot] = r
+        self._release.discard(slot)
+      self._gauges()
+      return [(r, s) for r, s in zip(admitted, free)], dropped
+
+  def _insert(self, admitted) -> None:
+    start = time.monotonic()
+    if self.metrics is not None:
+      for r, _ in admitted:
+        self.metrics.queue_time.observe(start - r.enqueued)
+    rows = [InsertRow(ids=r.ids, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                      top_k=r.top_k, top_p=r.top_p, seed=r.seed, sample=r.sample)
+            for r, _ in admitted]
+    try:
+      self.slots.insert(rows, [s for _, s in admitted])
+      if self.metrics is not None:
+        jax.block_until_ready(self.slots.state.token)
+        self.metrics.encode_seconds.observe(time.monotonic() - start)
+    except Exception as e:  # noqa: BLE001
+      # A failed insert fails its rows (HTTP 500); the worker goes on serving.
+      with self._cond:
+        for r, slot in admitted:
+          self._running.pop(slot, None)
+          self._release.add(slot)
+      for r, _ in admitted:
+        r.done(e)
+
+  def _step(self) -> None:
+    with self._cond:
+      free = np.zeros((self.slots.num_slots,), bool)
+      free[list(self._release)] = True
+      self._release.clear()
+      running = dict(self._running)
+    start = time.monotonic()
+    try:
+      out = self.slots.step(free)
+    except Exception as e:  # noqa: BLE001
+      with self._cond:
+        for slot in running:
+          self._running.pop(slot, None)
+          self._release.add(slot)
+      for r in running.values():
+        r.done(e)
+      return
+    now = time.monotonic()
+    m = self.metrics
+    if m is not None:
+      m.step_seconds.observe(now - start)
+      m.batch_size.observe(len(running))
+    finished = []
+    for slot, r in running.items():
+      if r.cancelled:
+        finished.append((slot, r, Cancelled()))
+        continue
+      emitted = out.emitted[slot]
+      n = int(emitted.sum())
+      if r.out is None:
+        r.out = RowOutput([], [], [], [], False)
+      toks = out.tokens[slot, :n].tolist()
+      stop = False
+      if n:
+        lps = out.logprobs[slot, :n].tolist()
+        tids = out.top_ids[slot, :n].tolist()
+        tlps = out.top_logprobs[slot, :n].tolist()
+        r.out.tokens += toks
+        r.out.logprobs += lps
+        r.out.top_ids += tids
+        r.out.top_logprobs += tlps
+        if m is not None:
+          if r.first_token_at is None:
+            m.time_to_first_token.observe(now - r.enqueued)
+          else:
+            m.inter_token_latency.observe((now - r.last_token_at) / n)
+        if r.first_token_at is None:
+          r.first_token_at = now
+        r.last_token_at = now
+        if r.on_tokens is not None:
+          try:
+            stop = bool(r.on_tokens(toks, lps, tids, tlps))
+          except Exception as e:  # noqa: BLE001
+            finished.append((slot, r, e))
+            continue
+      ended = bool(n) and self._is_stop(toks[-1])
+      if ended or stop or len(r.out.tokens) >= r.max_new_tokens or (not n):
+        r.out.finished = ended
+        finished.append((slot, r, r.out))
+    with self._cond:
+      for slot, _, _ in finished:
+        self._running.pop(slot, None)
+        self._release.add(slot)
+      self._gauges()
+    for _, r, result in finished:
+      if isinstance(result, Cancelled) and m is not None:
+        m.cancelled.labels("running").inc()
+      r.done(result)
+
+  def _is_stop(self, token: int) -> bool:
+    stops = self.slots.stop_ids
+    return token in stops if isinstance(stops, tuple) else token == stops
