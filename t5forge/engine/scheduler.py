@@ -169,14 +169,18 @@ class Engine:
   def compiles_since_ready(self) -> int:
     return compile_count() - self.compiles_at_ready
 
-  def close(self, timeout: float | None = None) -> None:
-    """Stops taking rows and joins the worker once the queue and the slots are empty.
-    With `timeout` (> 0), rows still waiting or running after it fail with ShutDown."""
+  def drain(self, timeout: float | None = None) -> None:
+    """Stops taking rows (SIGTERM); with `timeout` (> 0), rows still waiting or running
+    after it fail with ShutDown. Returns at once."""
     with self._cond:
       self._closing = True
-      if timeout:
+      if timeout and self._deadline is None:
         self._deadline = time.monotonic() + timeout
       self._cond.notify()
+
+  def close(self, timeout: float | None = None) -> None:
+    """`drain(timeout)`, then joins the worker once the queue and the slots are empty."""
+    self.drain(timeout)
     if self._thread.is_alive():
       self._thread.join()
 

@@ -116,13 +116,19 @@ def sample_tokens(logits: jax.Array, lp: jax.Array, key: jax.Array, position: ja
 
   needed = jnp.any(running & ~greedy & ((top_k > 0) | uses_p))
   scaled = lax.cond(needed, filtered, lambda: scaled)
-  keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(key), position)
-  drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
   best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  token = jnp.where(greedy, best, drawn)
-  pick = lambda x: jnp.take_along_axis(x, token[:, None], axis=-1)[:, 0]
-  token_lp = jnp.where(greedy, pick(lp), pick(jax.nn.log_softmax(scaled, axis=-1)))
-  return token, token_lp
+  pick = lambda x, t: jnp.take_along_axis(x, t[:, None], axis=-1)[:, 0]
+
+  def draw():
+    keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(key), position)
+    drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+    token = jnp.where(greedy, best, drawn)
+    return token, jnp.where(greedy, pick(lp, token),
+                            pick(jax.nn.log_softmax(scaled, axis=-1), token))
+
+  # Random bits for [s, v] cost more than the model step of a small model: skip them
+  # when every running row is greedy.
+  return lax.cond(jnp.any(running & ~greedy), draw, lambda: (best, pick(lp, best)))
 
 
 class Slots:
