@@ -137,7 +137,7 @@ def test_32_concurrent_clients_equal_unbatched(server, ckpt):
   total = float([l for l in metrics.splitlines() if l.startswith("t5forge_batch_size_count")][0]
                 .split()[-1])
   assert total > buckets["1.0"], metrics  # some model calls held more than one request
-  assert total < len(jobs)
+  assert "t5forge_compiles_since_ready 0.0" in metrics  # the engine compiled nothing more
   assert 't5forge_requests_total{route="/v1/completions",status="200"}' in metrics
 
 

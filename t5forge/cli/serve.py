@@ -88,11 +88,27 @@ def _parser() -> argparse.ArgumentParser:
   b.add_argument("--decode_buckets", default=None,
                  help="compiled output lengths, new tokens; also the score targets' lengths "
                  "(default 32,128; an exported directory: its decode lengths)")
-  b.add_argument("--chunk_tokens", type=int, default=8,
-                 help="tokens per compiled call when streaming")
+  b.add_argument("--chunk_tokens", type=int, default=4,
+                 help="decode steps per compiled call (the engine's step; the static path's "
+                 "streamed chunks)")
   b.add_argument("--warmup", default="greedy",
                  help="what to compile for every bucket before ready: greedy, sample, score "
-                 "(others compile once per shape on first use)")
+                 "(others compile once per shape on first use; the engine always compiles "
+                 "its greedy and sampling functions)")
+  e = p.add_argument_group("continuous batching (docs/serving.md)")
+  e.add_argument("--scheduler", choices=["auto", "continuous", "static"], default="auto",
+                 help="continuous: greedy and sampled requests decode in --slots slots that "
+                 "free as rows finish; static: batches that run until their longest row is "
+                 "done; auto: continuous for encoder-decoder checkpoints, else static")
+  e.add_argument("--slots", type=int, default=None,
+                 help="decodes in flight at most (default --max_batch_size)")
+  e.add_argument("--encode_budget", type=int, default=None,
+                 help="rows encoded per step while others decode (default half the slots)")
+  e.add_argument("--max_queue_wait_s", type=float, default=None,
+                 help="a request waiting longer for a slot gets 503 + Retry-After")
+  e.add_argument("--shutdown_timeout", type=float, default=0.0,
+                 help="SIGTERM: seconds to finish the requests in flight, then end them with "
+                 "an error (0: finish everything)")
   lim = p.add_argument_group("limits")
   lim.add_argument("--max_queue", type=int, default=256,
                    help="rows that may wait; more get 503 + Retry-After")
@@ -102,6 +118,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="max_tokens limit (default: the largest decode bucket)")
   lim.add_argument("--max_n", type=int, default=8, help="n and num_beams limit")
   lim.add_argument("--max_body_bytes", type=int, default=1 << 20, help="request size limit")
+  lim.add_argument("--max_request_tokens", type=int, default=None,
+                   help="refuse requests whose prompts + n x max_tokens are more tokens")
   r = p.add_argument_group("runtime")
   r.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                  help="matmul compute dtype (default: the checkpoint's)")
@@ -154,9 +172,18 @@ def _buckets(args, manifest: dict | None = None) -> tuple:
       raise UserError(f"{flag} must be >= 1, got {v}")
   if args.max_wait_ms < 0:
     raise UserError(f"--max_wait_ms must be >= 0, got {args.max_wait_ms}")
+  for flag, v in (("--slots", args.slots), ("--encode_budget", args.encode_budget),
+                  ("--max_request_tokens", args.max_request_tokens)):
+    if v is not None and v < 1:
+      raise UserError(f"{flag} must be >= 1, got {v}")
+  for flag, v in (("--max_queue_wait_s", args.max_queue_wait_s),
+                  ("--shutdown_timeout", args.shutdown_timeout)):
+    if v is not None and v < 0:
+      raise UserError(f"{flag} must be >= 0 seconds, got {v}")
   limits = api.Limits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=max_prompt,
                       max_tokens=max_tokens, max_n=args.max_n,
-                      max_prompts=min(64, args.max_queue))
+                      max_prompts=min(64, args.max_queue),
+                      max_request_tokens=args.max_request_tokens)
   return batcher.Buckets(batch=batch, length=length, decode=decode), limits
 
 
@@ -192,11 +219,14 @@ def main(argv: list[str]) -> int:
   from t5forge.serve.metrics import Metrics  # noqa: PLC0415 (after the flags parse: --help stays fast)
   t0 = time.monotonic()
   gen, vocab, kind_cls, check_kind = _open(args, buckets, exported)
-  kinds = [kind_cls(method=m) for m in ("greedy", "sample") if m in warm]
-  if check_kind is not None:
-    kinds = [k for k in kinds if _allowed(check_kind, k)]
   name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
   metrics = Metrics()
+  engine = _engine(args, gen, buckets, exported_dir=check_kind is not None, metrics=metrics)
+  # The engine compiles greedy and sampling itself; the batcher then runs beam search only.
+  kinds = [] if engine is not None else [kind_cls(method=m) for m in ("greedy", "sample")
+                                         if m in warm]
+  if check_kind is not None:
+    kinds = [k for k in kinds if _allowed(check_kind, k)]
   batch = batcher.Batcher(gen, buckets, max_batch_size=args.max_batch_size,
                           max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
                           metrics=metrics, warmup_kinds=kinds,
@@ -204,9 +234,40 @@ def main(argv: list[str]) -> int:
   service = Service(batcher=batch, vocabulary=vocab, kind_cls=kind_cls, model_name=name,
                     limits=limits, metrics=metrics, is_encoder_decoder=gen.is_encoder_decoder,
                     eos_id=gen.eos_id, stop_ids=getattr(gen, "stop_ids", None),
-                    api_key=args.api_key, check_kind=check_kind, can_score=check_kind is None)
+                    api_key=args.api_key, check_kind=check_kind, can_score=check_kind is None,
+                    engine=engine, shutdown_timeout=args.shutdown_timeout)
   return _run(app_lib.create_app(service), service, sock, args.host, t0,
               f"{len(jax.devices())} {jax.devices()[0].platform} device(s)")
+
+
+def _engine(args, gen, buckets, *, exported_dir: bool, metrics):
+  """The continuous-batching engine, or None (--scheduler static, or auto for an export or
+  a decoder-only model); refuses --scheduler continuous where it cannot run and --slots
+  that do not fit in memory."""
+  what = ("an exported directory" if exported_dir else
+          None if gen.is_encoder_decoder else "a decoder-only model")
+  if args.scheduler == "static" or (args.scheduler == "auto" and what):
+    for flag in ("slots", "encode_budget", "max_queue_wait_s"):
+      if getattr(args, flag) is not None:
+        raise UserError(f"--{flag} applies to the continuous scheduler, which is off here "
+                        f"({'--scheduler static' if args.scheduler == 'static' else what}); "
+                        f"drop --{flag}")
+    return None
+  if what:
+    raise UserError(f"--scheduler continuous runs encoder-decoder checkpoints, not {what}; use "
+                    "--scheduler static (or auto)")
+  from t5forge import engine as engine_lib  # noqa: PLC0415 (after the flags parse: --help stays fast)
+  num = args.slots or args.max_batch_size
+  slots = engine_lib.Slots(gen.model, gen.params, num_slots=num,
+                           decode_length=buckets.decode[-1], input_buckets=buckets.length,
+                           encode_sizes=tuple(b for b in buckets.batch if b < num) + (num,),
+                           steps=args.chunk_tokens, partitioner=gen.partitioner)
+  engine_lib.check_fits(slots, flags="--slots, --decode_buckets or --length_buckets")
+  engine = engine_lib.Engine(slots, max_queue=args.max_queue,
+                             max_queue_wait_s=args.max_queue_wait_s,
+                             encode_budget=args.encode_budget, metrics=metrics)
+  metrics.watch_compiles(engine)
+  return engine
 
 
 def _allowed(check_kind, kind) -> bool:
@@ -259,6 +320,10 @@ def _run(app, service, sock, host: str, t0: float, devices: str) -> int:
       # New requests get 503 at once; uvicorn stops listening and waits for the ones in
       # flight; the lifespan's shutdown then drains the batcher.
       service.draining = True
+      if service.engine is not None:
+        # uvicorn waits for the open streams before the lifespan's shutdown: the
+        # deadline must start now.
+        service.engine.drain(service.shutdown_timeout or None)
       super().handle_exit(sig, frame)
 
   config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
@@ -269,17 +334,19 @@ def _run(app, service, sock, host: str, t0: float, devices: str) -> int:
 
   def announce():
     # One line once the socket listens and the buckets are compiled.
-    while not (server.started and service.batcher.ready.is_set()):
+    workers = service.workers()
+    while not (server.started and all(w.ready.is_set() for w in workers)):
       if server.should_exit:
         return
       time.sleep(0.05)
-    if service.batcher.failed is not None:
-      print(f"t5forge: error: warm-up failed: {service.batcher.failed}", file=sys.stderr,
-            flush=True)
+    failed = next((w.failed for w in workers if w.failed is not None), None)
+    if failed is not None:
+      print(f"t5forge: error: warm-up failed: {failed}", file=sys.stderr, flush=True)
       server.should_exit = True
       return
+    engine = "" if service.engine is None else f", {service.engine.slots.num_slots} slots"
     print(f"t5forge serve: ready at {url} (model {service.model_name!r}, "
-          f"{service.batcher.compiled_shapes} shapes compiled, {devices}, "
+          f"{sum(w.compiled_shapes for w in workers)} shapes compiled{engine}, {devices}, "
           f"{time.monotonic() - t0:.1f} s)", flush=True)
 
   threading.Thread(target=announce, daemon=True).start()
@@ -290,4 +357,4 @@ def _run(app, service, sock, host: str, t0: float, devices: str) -> int:
     server.run(sockets=[sock])
   finally:
     signal.signal(signal.SIGTERM, previous)
-  return 1 if service.batcher.failed is not None else 0
+  return 1 if any(w.failed is not None for w in service.workers()) else 0

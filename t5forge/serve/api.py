@@ -40,6 +40,8 @@ class Limits:
   max_n: int = 8                    # completions per prompt (n, and beams)
   max_prompts: int = 64             # prompts per request (a list prompt)
   max_top_k: int = 1000
+  max_request_tokens: int | None = None  # prompts + n x max_tokens per request; None: no cap
+  max_priority: int = 100           # priority in [-max_priority, max_priority]
 
 
 _Strict = pydantic.ConfigDict(extra="forbid", strict=True)
@@ -68,6 +70,7 @@ class CompletionRequest(pydantic.BaseModel):
   top_k: int = 0
   num_beams: int = 1
   alpha: float = 0.6
+  priority: int = 0                   # lower is served first (as vLLM); engine rows only
 
   @pydantic.field_validator("temperature", "top_p", "alpha", mode="before")
   @classmethod
@@ -189,6 +192,9 @@ def check_completion(req: CompletionRequest, limits: Limits) -> None:
     raise _bad(f"at most 4 stop sequences, got {len(stops)}", "stop")
   if any(not s for s in stops):
     raise _bad("stop sequences must not be empty strings", "stop")
+  if abs(req.priority) > limits.max_priority:
+    raise _bad(f"priority must be in [-{limits.max_priority}, {limits.max_priority}] (lower is "
+               f"served first), got {req.priority}", "priority")
   if req.seed is not None and not 0 <= req.seed < 2 ** 31:
     raise _bad(f"seed must be in [0, 2**31), got {req.seed}", "seed")
 

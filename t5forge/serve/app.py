@@ -25,14 +25,17 @@ _OPEN = ("/health", "/")  # no key needed: liveness, and the static page (it ask
 
 
 def create_app(service: Service) -> fastapi.FastAPI:
-  """The application for one `Service` (kept as `app.state.service`); `service.batcher` is
-  started and closed by its lifespan (closing finishes the queued rows)."""
+  """The application for one `Service` (kept as `app.state.service`); its batcher and
+  engine are started and closed by its lifespan (closing finishes the queued rows, or
+  fails what still runs after `service.shutdown_timeout`)."""
 
   @contextlib.asynccontextmanager
   async def lifespan(_app):
-    service.batcher.start()
+    for w in service.workers():
+      w.start()
     yield
-    await asyncio.to_thread(service.batcher.close)
+    await asyncio.gather(*(asyncio.to_thread(w.close, service.shutdown_timeout or None)
+                           for w in service.workers()))
 
   app = fastapi.FastAPI(title="t5forge serve", lifespan=lifespan, docs_url=None,
                         redoc_url=None, openapi_url=None)

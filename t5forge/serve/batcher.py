@@ -34,13 +34,12 @@ from typing import Any, Callable
 
 import numpy as np
 
+from t5forge.engine import Cancelled, Closed, QueueFull  # one set of queue errors for both
 
-class QueueFull(Exception):
-  """More rows wait than `max_queue`; the client should retry later."""
+# How often an idle worker looks for rows whose client left.
+_CANCEL_POLL_S = 0.05
 
 
-class Closed(Exception):
-  """The server is shutting down and takes no new work."""
 
 
 @dataclasses.dataclass
@@ -67,6 +66,11 @@ class Row:
   on_chunk: Callable | None = None
   done: Callable = lambda result: None
   enqueued: float = dataclasses.field(default_factory=time.monotonic)
+  cancelled: bool = False
+
+  def cancel(self) -> None:
+    """The client left: the row is dropped if it has not started (a running batch ends)."""
+    self.cancelled = True
 
 
 @dataclasses.dataclass
@@ -209,10 +213,19 @@ class Batcher:
   def _take(self) -> list[Row] | None:
     """Blocks for the next batch: rows of the oldest row's group (None: closed and empty)."""
     with self._cond:
-      while not self._pending:
+      while True:
+        left = [r for r in self._pending if r.cancelled]
+        if left:
+          self._pending = [r for r in self._pending if not r.cancelled]
+          for r in left:
+            r.done(Cancelled())
+            if self.metrics is not None:
+              self.metrics.cancelled.labels("queued").inc()
+        if self._pending:
+          break
         if self._closing:
           return None
-        self._cond.wait()
+        self._cond.wait(_CANCEL_POLL_S)
       group = self._pending[0].group
       # The wait counts from when the model became free, not from when the oldest row
       # arrived: rows queued during the last batch have waited longer than max_wait,

@@ -1,72 +1,34 @@
 """POST /v1/completions: OpenAI's legacy completions (+ top_k, num_beams, alpha).
 
-    request body -> checks (api) -> Plan (the Kind and batching group: greedy, sample or
-    beam) -> one batcher Row per prompt -> texts cut at the stop sequences -> OpenAI's JSON,
-    or its Server-Sent Events when stream=true
+    request body -> checks (api) -> Plan (greedy, sample or beam) -> rows: the engine's
+    (greedy and sampling: continuous batching, one row per prompt or per sample) or the
+    batcher's (beam search, and --scheduler static) -> each choice's text, decoded
+    incrementally and cut at the stop sequences -> OpenAI's JSON, or its Server-Sent
+    Events when stream=true
 
-Streamed completions receive the worker's chunks through an asyncio queue; the text of a
-chunk that could still turn into a stop sequence is held back until it is decided.
+The worker threads turn tokens into text deltas (`text.ChoiceText`); a row whose text
+hit a stop sequence is finished at once. Streamed deltas reach the response through an
+asyncio queue. A client that leaves (streaming or not) cancels its rows: a queued row is
+never encoded, a running one frees its slot.
 
-Shape letters: n decodes per prompt (the batcher's result rows), l the decode length,
-k top log-probs.
+Shape letters: n decodes per prompt, l the decode length, k top log-probs.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 import uuid
 
 import fastapi
 from fastapi import responses
 
-from t5forge.decoding import text_ids
+from t5forge import engine as engine_lib
 from t5forge.serve import api
 from t5forge.serve import batcher as batching
 from t5forge.serve.service import Service, resolver
-
-
-# -- text ---------------------------------------------------------------------------------
-def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
-  """Cuts text before the earliest stop sequence; -> (text, whether one was found)."""
-  hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-  return (text[:min(hits)], True) if hits else (text, False)
-
-
-def _token_texts(vocab, ids: list[int]) -> tuple[list[str], list[int]]:
-  """Each token's text as the difference of the decoded prefixes (SentencePiece joins
-  pieces, so a piece alone decodes differently), and its offset in the completion."""
-  texts, offsets, prev = [], [], ""
-  for k in range(len(ids)):
-    cur = vocab.decode(ids[:k + 1])
-    texts.append(cur[len(prev):] if cur.startswith(prev) else cur)
-    offsets.append(len(prev))
-    prev = cur
-  return texts, offsets
-
-
-def logprobs(vocab, ids, token_lp, top_ids, top_lp, keep_chars: int) -> dict:
-  """OpenAI's legacy logprobs object for one choice (tokens up to keep_chars of text).
-
-  Args:
-    ids: the choice's l tokens; token_lp [l]: their log-probs.
-    top_ids, top_lp: [l, k] the most likely tokens and their log-probs, or None.
-    keep_chars: the length of the choice's text (after a stop sequence cut it).
-  """
-  texts, offsets = _token_texts(vocab, ids)
-  n = sum(1 for o in offsets if o < keep_chars) if keep_chars < sum(map(len, texts)) else len(ids)
-  tops = None
-  if top_ids is not None:
-    tops = []
-    for k in range(n):
-      prefix = vocab.decode(ids[:k])
-      entry = {}
-      for t, lp in zip(top_ids[k].tolist(), top_lp[k].tolist()):
-        s = vocab.decode(ids[:k] + [t])
-        entry.setdefault(s[len(prefix):] if s.startswith(prefix) else s, float(lp))
-      tops.append(entry)
-  return {"tokens": texts[:n], "token_logprobs": [float(x) for x in token_lp[:n]],
-          "top_logprobs": tops, "text_offset": offsets[:n]}
+from t5forge.serve.text import Choice, ChoiceText, logprobs
 
 
 class Plan:
@@ -105,6 +67,152 @@ def _check_kind(s: Service, plan: Plan) -> None:
     raise api.ApiError(400, str(e), param=param, code="unsupported") from None
 
 
+
+def _check_cost(s: Service, req: api.CompletionRequest, ids: list[list[int]]) -> None:
+  """A 400 before any work when the request's tokens (each prompt plus n completions of
+  max_tokens) are over --max_request_tokens."""
+  cap = s.limits.max_request_tokens
+  if cap is None:
+    return
+  choices = max(req.n, req.num_beams)
+  cost = sum(len(x) + choices * req.max_tokens for x in ids)
+  if cost > cap:
+    raise api.ApiError(400, f"the request may use {cost} tokens (prompts + n x max_tokens), "
+                       f"over the limit of {cap} (--max_request_tokens); lower max_tokens, n "
+                       "or the number of prompts", param="max_tokens",
+                       code="request_too_large")
+
+
+class _Choices:
+  """The choices of one request as their tokens arrive (on a worker thread): each has a
+  `ChoiceText`; text deltas and endings go to the event loop's `events` queue when
+  streaming, and each choice's `Choice` (or exception) settles its future."""
+
+  def __init__(self, s: Service, loop, count: int, stops: list[str], stream: bool):
+    self.loop, self.vocab = loop, s.vocabulary
+    self.texts = [ChoiceText(s.vocabulary, stops, s.stop_ids) for _ in range(count)]
+    self.futs = [loop.create_future() for _ in range(count)]
+    self.events: asyncio.Queue | None = asyncio.Queue() if stream else None
+
+  def _emit(self, index: int, delta: str, reason: str | None) -> None:
+    if self.events is not None and (delta or reason):
+      self.loop.call_soon_threadsafe(self.events.put_nowait, (index, delta, reason))
+
+  def tokens(self, indices: list[int], new_ids: list[int]) -> bool:
+    """New tokens of the choices `indices` (one decode); -> True once the text stopped."""
+    text = self.texts[indices[0]]
+    delta = text.feed(new_ids)
+    for i in indices:
+      self._emit(i, delta, None)
+    return text.stopped or text.closed
+
+  def done(self, indices: list[int], result) -> None:
+    """Settles the choices with a `Choice` or an exception."""
+    if isinstance(result, BaseException):
+      if self.events is not None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (indices[0], result, "error"))
+      settle = [(i, result) for i in indices]
+    else:
+      text = self.texts[indices[0]]
+      delta = text.finish()
+      reason = "stop" if text.stopped or text.closed or result.finished else "length"
+      for i in indices:
+        self._emit(i, delta, reason)
+      settle = [(i, result) for i in indices]
+    for i, r in settle:
+      resolver(self.loop, self.futs[i])(r)
+
+
+def _engine_rows(s: Service, req, plan: Plan, ids, ch: _Choices) -> list:
+  """One engine row per prompt (greedy: its n choices share it) or per sample."""
+  n = len(plan.sources)
+  seed = req.seed if req.seed is not None else secrets.randbelow(2 ** 31)
+  rows = []
+  for p, x in enumerate(ids):
+    groups = ([list(range(p * n, p * n + n))] if plan.kind.method == "greedy"
+              else [[p * n + j] for j in range(n)])
+    for j, indices in enumerate(groups):
+      def on_tokens(toks, lps, tids, tlps, indices=indices):
+        del lps, tids, tlps
+        return ch.tokens(indices, toks)
+
+      def done(result, indices=indices):
+        if not isinstance(result, BaseException):
+          result = Choice(ids=result.tokens, token_logprobs=result.logprobs,
+                          top_ids=result.top_ids, top_logprobs=result.top_logprobs,
+                          finished=result.finished)
+        ch.done(indices, result)
+
+      rows.append(engine_lib.Row(
+          ids=x, max_new_tokens=req.max_tokens,
+          temperature=0.0 if plan.kind.method == "greedy" else req.temperature,
+          top_k=req.top_k, top_p=req.top_p, seed=seed, sample=j, priority=req.priority,
+          on_tokens=on_tokens, done=done))
+  return rows
+
+
+def _batcher_rows(s: Service, req, plan: Plan, ids, ch: _Choices) -> list:
+  """One batcher row per prompt (beam search, or the static scheduler); its chunks are
+  turned into each choice's new tokens."""
+  n = len(plan.sources)
+  rows = []
+  for p, x in enumerate(ids):
+    seen = [0] * n
+
+    def on_chunk(tokens, lengths, finished, p=p, seen=seen):
+      del finished
+      for j, src in enumerate(plan.sources):
+        new = tokens[src][seen[j]:int(lengths[src])].tolist()
+        seen[j] = int(lengths[src])
+        if new:
+          ch.tokens([p * n + j], new)
+
+    def done(result, p=p, seen=seen):
+      for j, src in enumerate(plan.sources):
+        if isinstance(result, BaseException):
+          ch.done([p * n + j], result)
+          continue
+        length = int(result.lengths[src])
+        new = result.tokens[src][seen[j]:length].tolist()
+        if new:
+          ch.tokens([p * n + j], new)
+        pick = lambda a: None if a is None else a[src][:length].tolist()
+        ch.done([p * n + j], Choice(
+            ids=result.tokens[src][:length].tolist(), token_logprobs=pick(result.token_logprobs),
+            top_ids=pick(result.top_ids), top_logprobs=pick(result.top_logprobs),
+            finished=bool(result.finished[src])))
+
+    rows.append(batching.Row(group=plan.group, kind=plan.kind, ids=x,
+                             max_new_tokens=req.max_tokens, temperature=req.temperature,
+                             topp=req.top_p, alpha=req.alpha, seed=req.seed,
+                             on_chunk=on_chunk if ch.events is not None else None, done=done))
+  return rows
+
+
+async def _await_or_leave(request: fastapi.Request, futs, rows) -> list | None:
+  """The futures' results; None (and the rows cancelled) if the client leaves first.
+
+  A task waits on the connection's next ASGI message, which is `http.disconnect` once
+  the body has been read: the rows are cancelled as soon as the client goes."""
+  async def left():
+    while (await request.receive())["type"] != "http.disconnect":
+      pass
+
+  gathered = asyncio.gather(*futs)
+  watcher = asyncio.ensure_future(left())
+  try:
+    await asyncio.wait({gathered, watcher}, return_when=asyncio.FIRST_COMPLETED)
+  finally:
+    if not watcher.done():
+      watcher.cancel()
+  if gathered.done():
+    return gathered.result()
+  for r in rows:
+    r.cancel()
+  gathered.cancel()
+  return None
+
+
 async def complete(s: Service, request: fastapi.Request):
   """Answers one POST /v1/completions: the response dict, or a StreamingResponse of SSE."""
   start = time.monotonic()
@@ -120,58 +228,43 @@ async def complete(s: Service, request: fastapi.Request):
          for i, p in enumerate(prompts)]
   plan = Plan(req, s.kind_cls)
   _check_kind(s, plan)
+  _check_cost(s, req, ids)
   stops = [] if req.stop is None else api.as_list(req.stop)
-  loop = asyncio.get_running_loop()
-  events: asyncio.Queue | None = asyncio.Queue() if req.stream else None
-  rows, futs = [], []
-  for p, x in enumerate(ids):
-    fut = loop.create_future()
-    on_chunk = None
-    if events is not None:
-      on_chunk = (lambda p: lambda *a: loop.call_soon_threadsafe(
-          events.put_nowait, ("chunk", p, a)))(p)
-      fut.add_done_callback((lambda p: lambda f: events.put_nowait(("done", p, f)))(p))
-    rows.append(batching.Row(group=plan.group, kind=plan.kind, ids=x,
-                             max_new_tokens=req.max_tokens, temperature=req.temperature,
-                             topp=req.top_p, alpha=req.alpha, seed=req.seed,
-                             on_chunk=on_chunk, done=resolver(loop, fut)))
-    futs.append(fut)
-  s.submit(rows)
+  n = len(plan.sources)
+  ch = _Choices(s, asyncio.get_running_loop(), len(prompts) * n, stops, req.stream)
+  if s.engine is not None and plan.kind.method != "beam":
+    rows = _engine_rows(s, req, plan, ids, ch)
+    s.submit_engine(rows)
+  else:
+    rows = _batcher_rows(s, req, plan, ids, ch)
+    s.submit(rows)
   prompt_tokens = sum(map(len, ids))
   s.metrics.prompt_tokens.inc(prompt_tokens)
   rid = f"cmpl-{uuid.uuid4().hex}"
   created = int(time.time())
-  n = len(plan.sources)
 
-  def decode(tokens, length) -> str:
-    ids = tokens[:int(length)].tolist()
-    if s.stop_ids is not None:
-      ids = text_ids(ids, s.stop_ids)  # <end_of_turn> ends the text, not part of it
-    return s.vocabulary.decode(ids)
-
-  if events is not None:
+  if req.stream:
     # The middleware leaves the latency to the stream, which observes it when it ends.
     request.state.streaming = True
     return responses.StreamingResponse(
-        _stream(s, events, plan, stops, len(prompts), rid, created, start, decode),
+        _stream(s, ch, rows, rid, created, start),
         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-  results = await asyncio.gather(*futs)
+  results = await _await_or_leave(request, ch.futs, rows)
+  if results is None:
+    return responses.Response(status_code=499)  # nobody reads it: the client left
   choices, completion_tokens = [], 0
-  for p, r in enumerate(results):
-    for j, src in enumerate(plan.sources):
-      length = int(r.lengths[src])
-      text, stopped = cut_at_stop(decode(r.tokens[src], length), stops)
-      completion_tokens += length
-      lp = None
-      if req.logprobs is not None:
-        tok = r.tokens[src][:length].tolist()
-        lp = logprobs(s.vocabulary, tok, r.token_logprobs[src][:length],
-                      None if r.top_ids is None else r.top_ids[src][:length],
-                      None if r.top_logprobs is None else r.top_logprobs[src][:length],
-                      len(text))
-      choices.append({"text": text, "index": p * n + j, "logprobs": lp,
-                      "finish_reason": "stop" if stopped or bool(r.finished[src]) else "length"})
+  for i, (c, text) in enumerate(zip(results, ch.texts)):
+    completion_tokens += len(c.ids)
+    lp = None
+    if req.logprobs is not None:
+      k = req.logprobs
+      lp = logprobs(s.vocabulary, c.ids, c.token_logprobs,
+                    None if not k or c.top_ids is None else [t[:k] for t in c.top_ids],
+                    None if not k or c.top_logprobs is None else [t[:k] for t in c.top_logprobs],
+                    len(text.final_text))
+    reason = "stop" if text.stopped or text.closed or c.finished else "length"
+    choices.append({"text": text.final_text, "index": i, "logprobs": lp, "finish_reason": reason})
   s.metrics.completion_tokens.inc(completion_tokens)
   return {"id": rid, "object": "text_completion", "created": created, "model": s.model_name,
           "choices": choices,
@@ -179,16 +272,10 @@ async def complete(s: Service, request: fastapi.Request):
                     "total_tokens": prompt_tokens + completion_tokens}}
 
 
-async def _stream(s: Service, events: asyncio.Queue, plan: Plan, stops: list[str],
-                  num_prompts: int, rid: str, created: int, start: float, decode):
+async def _stream(s: Service, ch: _Choices, rows, rid: str, created: int, start: float):
   """OpenAI's SSE: one `data: {...}` per text delta of a choice, its finish_reason in a
-  last chunk, then `data: [DONE]`. Text that could be the start of a stop sequence (or an
-  incomplete UTF-8 piece) is held back until it is decided."""
-  n = len(plan.sources)
-  sent = {}            # choice index -> text sent
-  finished = set()     # choice indices that sent their finish_reason
-  hold = max((len(x) for x in stops), default=1) - 1
-  completion_tokens = 0
+  last chunk, then `data: [DONE]`. A client that leaves cancels the rows still running."""
+  left = len(ch.texts)
 
   def chunk(index: int, text: str, reason: str | None) -> str:
     return "data: " + json.dumps({
@@ -196,46 +283,23 @@ async def _stream(s: Service, events: asyncio.Queue, plan: Plan, stops: list[str
         "choices": [{"text": text, "index": index, "logprobs": None,
                      "finish_reason": reason}]}) + "\n\n"
 
-  def deltas(p: int, tokens, lengths, final: bool, done_flags=None):
-    out = []
-    for j, src in enumerate(plan.sources):
-      index = p * n + j
-      if index in finished:
-        continue
-      text, stopped = cut_at_stop(decode(tokens[src], lengths[src]), stops)
-      have = sent.get(index, "")
-      if not (final or stopped):
-        text = text[:max(len(have), len(text) - hold)]
-        text = text.rstrip("\ufffd")
-      if len(text) > len(have) and text.startswith(have):
-        out.append(chunk(index, text[len(have):], None))
-        sent[index] = text
-      if final or stopped:
-        finished.add(index)
-        out.append(chunk(index, "", "stop" if stopped or bool(done_flags[src]) else "length"))
-    return out
-
-  done_prompts = 0
   try:
-    while done_prompts < num_prompts:
-      what, p, payload = await events.get()
-      if what == "chunk":
-        tokens, lengths, fin = payload
-        for c in deltas(p, tokens, lengths, False, fin):
-          yield c
-        continue
-      done_prompts += 1
-      if payload.exception() is not None:
-        e = payload.exception()
+    while left:
+      index, delta, reason = await ch.events.get()
+      if reason == "error":
+        e = delta
         yield "data: " + json.dumps({"error": {"message": f"{type(e).__name__}: {e}",
                                                "type": "server_error", "param": None,
                                                "code": None}}) + "\n\n"
         return
-      r = payload.result()
-      completion_tokens += sum(int(r.lengths[src]) for src in plan.sources)
-      for c in deltas(p, r.tokens, r.lengths, True, r.finished):
-        yield c
+      if delta:
+        yield chunk(index, delta, None)
+      if reason is not None:
+        left -= 1
+        yield chunk(index, "", reason)
     yield "data: [DONE]\n\n"
   finally:
-    s.metrics.completion_tokens.inc(completion_tokens)
+    for r in rows:
+      r.cancel()
+    s.metrics.completion_tokens.inc(sum(len(t.ids) for t in ch.texts))
     s.metrics.latency.labels("/v1/completions").observe(time.monotonic() - start)

@@ -37,14 +37,21 @@ async def health(request: fastapi.Request):
     return error_response(503, "draining: finishing the requests in flight",
                           type_="server_error", code="shutting_down",
                           headers={"Retry-After": "5"})
-  if s.batcher.failed is not None:
-    return error_response(503, f"warm-up failed: {s.batcher.failed}", type_="server_error",
+  workers = s.workers()
+  failed = next((w.failed for w in workers if w.failed is not None), None)
+  if failed is not None:
+    return error_response(503, f"warm-up failed: {failed}", type_="server_error",
                           code="failed")
-  if not s.batcher.ready.is_set():
+  if not all(w.ready.is_set() for w in workers):
     return error_response(503, "compiling the buckets; not ready yet", type_="server_error",
                           code="loading", headers={"Retry-After": "2"})
-  return {"status": "ok", "model": s.model_name, "compiled_shapes": s.batcher.compiled_shapes,
-          "queue_depth": s.batcher.queue_depth()}
+  out = {"status": "ok", "model": s.model_name,
+         "compiled_shapes": sum(w.compiled_shapes for w in workers),
+         "queue_depth": sum(w.queue_depth() for w in workers)}
+  if s.engine is not None:
+    out.update(slots=s.engine.slots.num_slots, slots_in_use=s.engine.in_use(),
+               compiles_since_ready=s.engine.compiles_since_ready())
+  return out
 
 
 @router.get("/metrics")

@@ -2,9 +2,10 @@
 and the steps every request goes through (read the body, check the model name, tokenize,
 queue the rows, await their results).
 
-A request's rows are queued to the `Batcher`, whose worker thread calls `resolver`'s
-callback with each row's result; the callback hands it to the request's asyncio future on
-the event loop.
+A request's rows are queued to the `Engine` (greedy and sampled completions, continuous
+batching) or to the `Batcher` (beam search, scoring, and everything with --scheduler
+static). Their worker threads call `resolver`'s callback with each row's result; the
+callback hands it to the request's asyncio future on the event loop.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any
 import fastapi
 from fastapi import responses
 
+from t5forge import engine as engine_lib
 from t5forge.serve import api, batcher as batching
 from t5forge.serve.metrics import Metrics
 
@@ -28,7 +30,8 @@ def error_response(status: int, message: str, **kw) -> responses.JSONResponse:
 @dataclasses.dataclass
 class Service:
   """What the routes need. `kind_cls` is `generation.Kind` (or the exported backend's,
-  with `check_kind` refusing what an export cannot run and `can_score` False)."""
+  with `check_kind` refusing what an export cannot run and `can_score` False). `engine`
+  is None with --scheduler static (and for exports and decoder-only models)."""
   batcher: batching.Batcher
   vocabulary: Any
   kind_cls: Any
@@ -42,6 +45,8 @@ class Service:
   check_kind: Any = None      # callable(kind) raising ValueError: what the backend cannot run
   can_score: bool = True
   draining: bool = False
+  engine: Any = None
+  shutdown_timeout: float = 0.0  # SIGTERM: fail what still runs after this (0: finish all)
   created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
   async def read_body(self, request: fastapi.Request) -> bytes:
@@ -80,16 +85,32 @@ class Service:
     return ids
 
   def submit(self, rows: list[batching.Row]) -> None:
-    """Queues `rows` together; a full queue or a closing server is a 503 + Retry-After."""
+    """Queues `rows` to the batcher together; a full queue or a closing server is a 503 +
+    Retry-After."""
+    self._submit(self.batcher, rows)
+
+  def submit_engine(self, rows: list) -> None:
+    """Queues engine rows together, as `submit`."""
+    self._submit(self.engine, rows)
+
+  @staticmethod
+  def _submit(worker, rows) -> None:
     try:
-      self.batcher.submit(rows)
-    except batching.QueueFull:
-      raise api.ApiError(503, f"the queue is full ({self.batcher.max_queue} rows wait); "
+      worker.submit(rows)
+    except engine_lib.QueueFull:
+      raise api.ApiError(503, f"the queue is full ({worker.max_queue} rows wait); "
                          "retry later", type_="server_error", code="queue_full",
                          headers={"Retry-After": "1"}) from None
-    except batching.Closed:
+    except engine_lib.Closed:
       raise api.ApiError(503, "the server is shutting down", type_="server_error",
                          code="shutting_down", headers={"Retry-After": "5"}) from None
+
+  def workers(self) -> list:
+    """The worker threads' owners: the batcher, and the engine when there is one."""
+    return [self.batcher] + ([self.engine] if self.engine is not None else [])
+
+  def longest_input(self) -> int:
+    return self.batcher.buckets.length[-1]
 
 
 def resolver(loop, fut):
@@ -99,7 +120,11 @@ def resolver(loop, fut):
     def put():
       if fut.done():
         return
-      if isinstance(result, BaseException):
+      if isinstance(result, engine_lib.QueueTimeout):
+        fut.set_exception(api.ApiError(
+            503, "no decode slot came free within --max_queue_wait_s; retry later",
+            type_="server_error", code="queue_timeout", headers={"Retry-After": "1"}))
+      elif isinstance(result, BaseException):
         fut.set_exception(result)
       else:
         fut.set_result(result)

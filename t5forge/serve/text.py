@@ -1,0 +1,124 @@
+"""Tokens to text for completions: incremental detokenization, stop sequences, and
+OpenAI's legacy logprobs object.
+
+A `ChoiceText` follows one completion as its tokens arrive. It decodes only a short
+window of recent tokens per call (SentencePiece joins pieces, so the text a token adds
+is the difference between two decodes of the window: the window starts at the last
+token whose text was already complete), cuts the text at the first stop sequence, and
+holds back what could still become one (or an incomplete UTF-8 character).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
+  """Cuts text before the earliest stop sequence; -> (text, whether one was found)."""
+  hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+  return (text[:min(hits)], True) if hits else (text, False)
+
+
+class ChoiceText:
+  """One completion's text as its tokens arrive.
+
+  Args:
+    vocab: has `decode(ids) -> str`.
+    stops: stop sequences (cut before the first).
+    stop_ids: the ids that end a decode: one id (the vocabulary's EOS, rendered as
+      nothing), or a tuple whose first is EOS and whose others (T5Gemma's <end_of_turn>)
+      end the text without being part of it.
+  """
+
+  def __init__(self, vocab, stops: list[str], stop_ids):
+    self.vocab, self.stops = vocab, stops
+    self.extra_stops = set(stop_ids[1:]) if isinstance(stop_ids, tuple) else set()
+    self.hold = max((len(s) for s in stops), default=1) - 1
+    self.ids: list[int] = []
+    self.text = ""  # decoded so far (before any stop cut)
+    self.sent = 0  # characters handed out
+    self.stopped = False  # a stop sequence was found
+    self.closed = False  # a stop id ended the text
+    self._prefix = 0  # the decode window starts here ...
+    self._read = 0  # ... and its text up to here is in self.text
+
+  def feed(self, new_ids: list[int], final: bool = False) -> str:
+    """Adds tokens; -> the text to send now ("" while it is held back)."""
+    for t in new_ids:
+      if self.closed or self.stopped:
+        break
+      if t in self.extra_stops:
+        self.closed = True
+        break
+      self.ids.append(t)
+    window = self.vocab.decode(self.ids[self._prefix:])
+    before = self.vocab.decode(self.ids[self._prefix:self._read])
+    if len(window) > len(before) and not window.endswith("\ufffd"):
+      self.text += window[len(before):] if window.startswith(before) else window
+      self._prefix, self._read = self._read, len(self.ids)
+    text, found = cut_at_stop(self.text, self.stops)
+    self.stopped = self.stopped or found
+    if not (final or found):
+      text = text[:max(self.sent, len(text) - self.hold)]
+    if len(text) <= self.sent:
+      return ""
+    delta, self.sent = text[self.sent:], len(text)
+    return delta
+
+  def finish(self) -> str:
+    """The rest of the text once the tokens have all arrived."""
+    if self._read < len(self.ids):  # a trailing incomplete character: decode it as is
+      whole = self.vocab.decode(self.ids[self._prefix:])
+      before = self.vocab.decode(self.ids[self._prefix:self._read])
+      self.text += whole[len(before):] if whole.startswith(before) else whole
+      self._prefix = self._read = len(self.ids)
+    return self.feed([], final=True)
+
+  @property
+  def final_text(self) -> str:
+    return cut_at_stop(self.text, self.stops)[0]
+
+
+def _token_texts(vocab, ids: list[int]) -> tuple[list[str], list[int]]:
+  """Each token's text as the difference of the decoded prefixes (SentencePiece joins
+  pieces, so a piece alone decodes differently), and its offset in the completion."""
+  texts, offsets, prev = [], [], ""
+  for k in range(len(ids)):
+    cur = vocab.decode(ids[:k + 1])
+    texts.append(cur[len(prev):] if cur.startswith(prev) else cur)
+    offsets.append(len(prev))
+    prev = cur
+  return texts, offsets
+
+
+def logprobs(vocab, ids, token_lp, top_ids, top_lp, keep_chars: int) -> dict:
+  """OpenAI's legacy logprobs object for one choice (tokens up to keep_chars of text).
+
+  Args:
+    ids: the choice's l tokens; token_lp [l]: their log-probs.
+    top_ids, top_lp: [l, k] the most likely tokens and their log-probs, or None.
+    keep_chars: the length of the choice's text (after a stop sequence cut it).
+  """
+  texts, offsets = _token_texts(vocab, ids)
+  n = sum(1 for o in offsets if o < keep_chars) if keep_chars < sum(map(len, texts)) else len(ids)
+  tops = None
+  if top_ids is not None:
+    tops = []
+    for k in range(n):
+      prefix = vocab.decode(ids[:k])
+      entry = {}
+      for t, lp in zip(list(top_ids[k]), list(top_lp[k])):
+        s = vocab.decode(ids[:k] + [int(t)])
+        entry.setdefault(s[len(prefix):] if s.startswith(prefix) else s, float(lp))
+      tops.append(entry)
+  return {"tokens": texts[:n], "token_logprobs": [float(x) for x in token_lp[:n]],
+          "top_logprobs": tops, "text_offset": offsets[:n]}
+
+
+@dataclasses.dataclass
+class Choice:
+  """One finished completion, whichever path decoded it."""
+  ids: list[int]  # new tokens (stop id included)
+  token_logprobs: list[float] | None
+  top_ids: list | None  # [l][k]
+  top_logprobs: list | None
+  finished: bool  # ended with a stop id
