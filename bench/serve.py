@@ -3,6 +3,8 @@ of the same model in the same run.
 
     python -m bench serve                  # flan-t5-small shape, c = 1, 4, 16, 64 (~6 min)
     python -m bench serve --quick          # smoke test: tiny model, few requests (~1 min)
+    python -m bench serve --schedulers     # --scheduler static vs continuous (~30 min)
+    python -m bench serve --schedulers --quick   # its smoke test (~2-3 min)
 
 The model: flan-t5-small's shape (t5_1_1 small: 8+8 layers, 512 wide, gated GELU),
 random init (seed 0), with the bundled SentencePiece vocabulary
@@ -27,6 +29,39 @@ concurrency 1, 4, 16 and 64, then by one client alternating streamed and plain r
 server's /metrics histograms (differences between scrapes around each level).
 
 Writes bench/results/serve.json (serve_quick.json with --quick) and prints a table.
+
+--schedulers (bench/serve_loads.py) compares the static path (`--scheduler static`: batches
+that run until their longest row is done) with the continuous-batching engine
+(`--scheduler continuous --slots 16`) on the same checkpoint, float32, both with
+`--max_batch_size 16 --length_buckets 128 --decode_buckets 8,64,128 --batch_buckets
+1,2,4,8,16 --warmup greedy` (the static path's best fair shapes: a batch of 8-token rows
+decodes in the 8 bucket, a 64-token one in the 64 bucket, a partial batch pads to at most
+twice its rows; the engine's cache holds the largest decode bucket, 128). Prompts as above
+(128 input tokens), but screened to run all 128 new tokens without EOS, so every length
+is fixed by max_tokens. Each round starts one server, runs every scenario, stops it
+(SIGTERM), then does the same with the other; rounds alternate which goes first (2
+rounds: static, continuous, continuous, static) and the table holds medians over rounds:
+  1. mixed lengths: closed loop, concurrency 32, max_tokens 8 and 128 alternating by
+     request index, 320 requests: output tokens/s (sum of usage.completion_tokens / wall).
+     Target: continuous >= 1.5x static.
+  2. open loop: 400 streamed requests, Poisson arrivals at 0.6x the static path's
+     requests/s of scenario 1 (first round; the same rate for both), max_tokens half 8,
+     half 128 (seeded shuffle); each request on its own thread started at its arrival
+     time (idle keep-alive connections reused). TTFT = client side, send to the first SSE
+     chunk carrying text. Targets: continuous p50 <= 0.4x static, p99 <= 0.5x.
+  3. uniform lengths: 128 in, 64 new, closed loop at concurrency 16, 160 requests:
+     tokens/s. Targets: continuous >= 0.95x static, and >= 0.8x an offline batch-16
+     `generate` call (64 new tokens) timed in this process just before and after that
+     server ran (one before the first server and one after each).
+  4. memory: VmRSS (/proc/PID/status) of the last round's continuous server after 100
+     and after 2,000 requests served (warm-up included; mixed lengths, concurrency 32),
+     run first in that session. Target: within 5% (after 2,000 / after 100 <= 1.05).
+Queue time, rows per model call and the engine's TTFT come from /metrics as above;
+the engine's t5forge_compiles_since_ready is read after each session (0: nothing
+compiled under load). --rounds N changes the pairs. --quick: tiny model, 1 round, 64 /
+48 / 32 requests, RSS after 100 and 300; a smoke test, its ratios mean little (the tiny
+model's step is mostly host overhead). Writes bench/results/serve_schedulers.json
+(serve_schedulers_quick.json); server logs in bench/results/.cache/logs/.
 """
 from __future__ import annotations
 
@@ -135,31 +170,34 @@ class Offline:
       arr[i, :len(ids)] = ids
     return arr
 
-  def generate(self, inputs):
-    """-> Generated; greedy, every row may run `new_tokens` new tokens."""
+  def generate(self, inputs, new_tokens: int | None = None):
+    """-> Generated; greedy, every row may run `new_tokens` (default the plan's) new
+    tokens, which is also the decode length."""
     np, b = self._np, inputs.shape[0]
+    n = new_tokens or self.plan.new_tokens
     return self.generator.generate(
-        self.kind, inputs, decode_length=self.plan.new_tokens,
-        max_new_tokens=np.full([b], self.plan.new_tokens, np.int32),
+        self.kind, inputs, decode_length=n, max_new_tokens=np.full([b], n, np.int32),
         temperature=np.zeros([b], np.float32), topp=np.ones([b], np.float32), stream=False)
 
-  def time_call(self, inputs) -> float:
+  def time_call(self, inputs, new_tokens: int | None = None) -> float:
+    n = new_tokens or self.plan.new_tokens
     start = time.perf_counter()
-    out = self.generate(inputs)
+    out = self.generate(inputs, n)
     seconds = time.perf_counter() - start
-    if int(out.lengths.min()) != self.plan.new_tokens:
+    if int(out.lengths.min()) != n:
       raise AssertionError(f"offline rows decoded {out.lengths.ravel().tolist()} tokens, "
-                           f"expected {self.plan.new_tokens} each")
+                           f"expected {n} each")
     return seconds
 
-  def full_length(self, prompts: list[str], batch: int) -> list[str]:
-    """The prompts whose greedy decoding runs all new tokens without EOS."""
-    keep = []
+  def full_length(self, prompts: list[str], batch: int, new_tokens: int | None = None
+                  ) -> list[str]:
+    """The prompts whose greedy decoding runs all `new_tokens` without EOS."""
+    n, keep = new_tokens or self.plan.new_tokens, []
     for start in range(0, len(prompts), batch):
       chunk = prompts[start:start + batch]
-      out = self.generate(self.inputs(chunk))
-      keep += [p for p, n, fin in zip(chunk, out.lengths[:, 0], out.finished[:, 0])
-               if n == self.plan.new_tokens and not fin]
+      out = self.generate(self.inputs(chunk), n)
+      keep += [p for p, k, fin in zip(chunk, out.lengths[:, 0], out.finished[:, 0])
+               if k == n and not fin]
     return keep
 
 
@@ -170,7 +208,7 @@ def _one(conn, body: dict, stream: bool) -> dict:
   conn.request("POST", "/v1/completions", body=json.dumps(body).encode(),
                headers={"Content-Type": "application/json"})
   resp = conn.getresponse()
-  out = {"status": resp.status}
+  out = {"status": resp.status, "max_tokens": body["max_tokens"]}
   if not stream or resp.status != 200:
     payload = resp.read()
     out["latency_s"] = time.perf_counter() - start
@@ -212,10 +250,12 @@ def _one(conn, body: dict, stream: bool) -> dict:
 
 
 def drive(port: int, model: str, prompts: list[str], concurrency: int, total: int,
-          new_tokens: int, stream: bool | str = False) -> dict | tuple[dict, dict]:
+          new_tokens, stream: bool | str = False) -> dict | tuple[dict, dict]:
   """`total` requests from `concurrency` closed-loop clients (each sends its next request
-  when the last one answered); prompts taken round-robin. stream='alternate': every other
+  when the last one answered); prompts taken round-robin; `new_tokens`: max_tokens of
+  every request, or a function of the request's index. stream='alternate': every other
   request streamed, -> (streamed row, plain row), so that the two see the same load."""
+  tokens_of = new_tokens if callable(new_tokens) else lambda k: new_tokens
   lock, counter, results = threading.Lock(), [0], []
 
   def client():
@@ -228,12 +268,13 @@ def drive(port: int, model: str, prompts: list[str], concurrency: int, total: in
             return
           counter[0] += 1
         streamed = k % 2 == 0 if stream == "alternate" else bool(stream)
-        body = {"model": model, "prompt": prompts[k % len(prompts)], "max_tokens": new_tokens,
+        body = {"model": model, "prompt": prompts[k % len(prompts)], "max_tokens": tokens_of(k),
                 "temperature": 0, "stream": streamed}
         try:
           r = _one(conn, body, streamed)
         except (OSError, http.client.HTTPException, ValueError) as e:
-          r = {"status": None, "error": f"{type(e).__name__}: {e}"}
+          r = {"status": None, "error": f"{type(e).__name__}: {e}",
+               "max_tokens": body["max_tokens"]}
           conn.close()
           conn = http.client.HTTPConnection("127.0.0.1", port, timeout=900)
         r["stream"] = streamed
@@ -252,13 +293,13 @@ def drive(port: int, model: str, prompts: list[str], concurrency: int, total: in
   if stream == "alternate":  # one client: each half's own time is the sum of its latencies
     halves = [[r for r in results if r["stream"] == flag] for flag in (True, False)]
     return tuple(_summarize(h, sum(r.get("latency_s", 0.0) for r in h), concurrency, flag,
-                            new_tokens, alternated=True)
+                            alternated=True)
                  for h, flag in zip(halves, (True, False)))
-  return _summarize(results, wall, concurrency, bool(stream), new_tokens)
+  return _summarize(results, wall, concurrency, bool(stream))
 
 
 def _summarize(results: list[dict], wall: float, concurrency: int, stream: bool,
-               new_tokens: int, alternated: bool = False) -> dict:
+               alternated: bool = False) -> dict:
   """Tokens/s over `wall`, latency quantiles, errors; streamed: time to the first text."""
   ok = [r for r in results if r["status"] == 200]
   lat = sorted(r["latency_s"] for r in ok)
@@ -268,12 +309,14 @@ def _summarize(results: list[dict], wall: float, concurrency: int, stream: bool,
          "errors": [r for r in results if r["status"] != 200][:5],
          "error_count": len(results) - len(ok), "wall_s": wall,
          "completion_tokens": tokens, "tokens_per_s": tokens / wall if wall else None,
+         "requests_per_s": len(ok) / wall if wall else None,
          "p50_s": _quantile(lat, 0.5), "p99_s": _quantile(lat, 0.99),
          "mean_s": statistics.fmean(lat) if lat else None,
-         "short_completions": sum(r.get("completion_tokens", 0) < new_tokens for r in ok)}
+         "short_completions": sum(r.get("completion_tokens", 0) < r["max_tokens"] for r in ok)}
   if stream:
     firsts = sorted(r["first_token_s"] for r in ok if "first_token_s" in r)
     row["first_token_p50_s"] = _quantile(firsts, 0.5)
+    row["first_token_p99_s"] = _quantile(firsts, 0.99)
     row["chunks_mean"] = statistics.fmean(r["chunks"] for r in ok) if ok else None
   return row
 
@@ -351,7 +394,8 @@ def pick_histograms(names) -> dict[str, str | None]:
     hits = [n for n in names if all(w in n for w in words)]
     return min(hits, key=len) if hits else None
   return {"queue": find("queue", "second") or find("queue"), "batch": find("batch", "size"),
-          "latency": find("request", "second") or find("latency")}
+          "latency": find("request", "second") or find("latency"),
+          "ttft": find("first_token", "second")}
 
 
 # -- the run ------------------------------------------------------------------------------
@@ -537,32 +581,55 @@ def _parse(argv):
   p.add_argument("--quick", action="store_true", help="smoke test: tiny model, few requests")
   p.add_argument("--seed", type=int, default=0, help="seed of the weights")
   p.add_argument("--output", default=None,
-                 help="JSON path (default bench/results/serve.json, serve_quick.json with --quick)")
+                 help="JSON path (default bench/results/serve.json, serve_quick.json with "
+                 "--quick; with --schedulers serve_schedulers.json, serve_schedulers_quick.json)")
   p.add_argument("--server_args", default="",
-                 help="more flags for `t5forge serve`, one string (e.g. '--max_wait_ms 5')")
-  return p.parse_args(argv)
+                 help="more flags for `t5forge serve` (both servers with --schedulers), one "
+                 "string (e.g. '--max_wait_ms 5')")
+  p.add_argument("--schedulers", action="store_true",
+                 help="instead of the concurrency levels: --scheduler static against "
+                 "continuous, four scenarios (bench/serve_loads.py)")
+  p.add_argument("--rounds", type=int, default=None,
+                 help="with --schedulers: pairs of server runs, alternated (default 2; 1 with "
+                 "--quick)")
+  args = p.parse_args(argv)
+  if args.rounds is not None and (not args.schedulers or args.rounds < 1):
+    p.error("--rounds takes a positive count, with --schedulers")
+  return args
 
 
 def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
   args = _parse(argv)
-  plan = QUICK if args.quick else FULL
-  output = args.output or os.path.join(RESULTS_DIR, "serve_quick.json" if args.quick
-                                       else "serve.json")
+  if args.schedulers:
+    from bench import serve_loads
+    plan = serve_loads.QUICK if args.quick else serve_loads.FULL
+    if args.rounds:
+      plan = dataclasses.replace(plan, rounds=args.rounds)
+  else:
+    plan = QUICK if args.quick else FULL
+  name = "serve_schedulers" if args.schedulers else "serve"
+  output = args.output or os.path.join(RESULTS_DIR, f"{name}{'_quick' if args.quick else ''}.json")
   # SIGTERM unwinds like ctrl-C, so the server child is stopped on the way out.
   report_lib.unwind_on_sigterm()
   started = time.perf_counter()
-  report = {"benchmark": "t5forge serve under load vs offline generate",
+  report = {"benchmark": ("t5forge serve: --scheduler static vs continuous" if args.schedulers
+                         else "t5forge serve under load vs offline generate"),
             "command": " ".join(["python -m bench serve"] + argv),
             "started": time.strftime("%Y-%m-%d %H:%M:%S"), "quick": args.quick,
             "machine": machine_info(), "git": _git_state()}
-  report.update(run(plan, args.seed, args.server_args.split()))
+  if args.schedulers:
+    report.update(serve_loads.run(plan, args.seed, args.server_args.split()))
+    errors, exit_codes = report["error_count"], report["server_exit_codes"]
+  else:
+    report.update(run(plan, args.seed, args.server_args.split()))
+    errors = sum(r["error_count"] for r in report["levels"])
+    exit_codes = [report["server_exit_code"]]
   report["seconds"] = round(time.perf_counter() - started, 1)
   report_lib.write_json(output, report)
-  print(render(report))
+  print(serve_loads.render(report) if args.schedulers else render(report))
   print(f"\nwrote {os.path.relpath(output)} ({report['seconds']:.0f} s)")
-  errors = sum(r["error_count"] for r in report["levels"])
-  return 1 if errors or report["server_exit_code"] != 0 else 0
+  return 1 if errors or any(c != 0 for c in exit_codes) else 0
 
 
 if __name__ == "__main__":
