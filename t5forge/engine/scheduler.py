@@ -26,22 +26,11 @@ import jax
 import numpy as np
 
 from t5forge.engine.slots import InsertRow, Slots
-
-
-class QueueFull(Exception):
-  """More rows wait than `max_queue`; the client should retry later."""
-
-
-class Closed(Exception):
-  """The server is shutting down and takes no new work."""
+from t5forge.engine.worker import Cancelled, QueueWorker
 
 
 class QueueTimeout(Exception):
   """The row waited longer than `max_queue_wait_s` for a slot."""
-
-
-class Cancelled(Exception):
-  """The row's client left before it finished."""
 
 
 class ShutDown(Exception):
@@ -110,8 +99,8 @@ class Row:
     self.cancelled = True
 
 
-class Engine:
-  """Continuous batching over `Slots` on one worker thread.
+class Engine(QueueWorker):
+  """Continuous batching over `Slots` on one worker thread (`worker.QueueWorker`).
 
   Args:
     slots: the compiled slot state.
@@ -125,43 +114,16 @@ class Engine:
                max_queue_wait_s: float | None = None, encode_budget: int | None = None,
                metrics=None, on_ready: Callable | None = None):
     self.slots = slots
-    self.max_queue, self.max_queue_wait_s = max_queue, max_queue_wait_s
-    self.encode_budget = encode_budget or max(1, slots.num_slots // 2)
-    self.metrics, self._on_ready = metrics, on_ready
-    self._waiting: list[Row] = []
     self._running: dict[int, Row] = {}  # slot -> row
     self._release: set[int] = set()  # slots freed on the host, still active on the device
-    self._cond = threading.Condition()
-    self._closing = False
     self._deadline: float | None = None  # shutdown: fail what still runs after this
-    self.ready = threading.Event()
-    self.failed: BaseException | None = None
-    self.compiled_shapes = 0
     self.compiles_at_ready = 0
-    self._thread = threading.Thread(target=self._run, name="t5forge-engine", daemon=True)
+    super().__init__(name="t5forge-engine", max_queue=max_queue, metrics=metrics,
+                     on_ready=on_ready)
+    self.max_queue_wait_s = max_queue_wait_s
+    self.encode_budget = encode_budget or max(1, slots.num_slots // 2)
 
   # -- callers' side ----------------------------------------------------------------------------
-  def start(self) -> None:
-    self._thread.start()
-
-  def submit(self, rows: list[Row]) -> None:
-    """Queues rows together (all or none)."""
-    with self._cond:
-      if self._closing:
-        raise Closed()
-      if len(self._waiting) + len(rows) > self.max_queue:
-        raise QueueFull()
-      now = time.monotonic()
-      for r in rows:
-        r.enqueued = now
-      self._waiting.extend(rows)
-      self._gauges()
-      self._cond.notify()
-
-  def queue_depth(self) -> int:
-    with self._cond:
-      return len(self._waiting)
-
   def in_use(self) -> int:
     with self._cond:
       return len(self._running)
@@ -206,40 +168,24 @@ class Engine:
 
   # -- the worker -------------------------------------------------------------------------------
   def _gauges(self) -> None:
+    super()._gauges()
     m = self.metrics
     if m is not None:
-      m.queue_depth.set(len(self._waiting))
       m.running.set(len(self._running))
       m.slots_in_use.set(len(self._running) / self.slots.num_slots)
 
-  def _run(self) -> None:
-    try:
-      self.compiled_shapes = self.slots.warmup()
-      self.slots.reset()
-    except BaseException as e:  # noqa: BLE001
-      # Reported by /health and the CLI; queued rows fail rather than hang.
-      self.failed = e
-      with self._cond:
-        self._closing = True
-        rows, self._waiting = self._waiting, []
-      for r in rows:
-        r.done(e)
-      self.ready.set()
-      if self._on_ready:
-        self._on_ready()
-      return
+  def _warmup(self) -> int:
+    count = self.slots.warmup()
     self.compiles_at_ready = compile_count()
-    self.ready.set()
-    if self._on_ready:
-      self._on_ready()
+    return count
+
+  def _serve(self) -> None:
     while True:
       admitted, dropped = self._admit()
       if admitted is None:
         return
       for r, exc, stage in dropped:
-        if self.metrics is not None:
-          self.metrics.cancelled.labels(stage).inc()
-        r.done(exc)
+        self._fail([r], exc, stage)
       if admitted:
         self._insert(admitted)
       if self._running:
@@ -254,12 +200,11 @@ class Engine:
           return None, []
         self._cond.wait()
       now = time.monotonic()
-      dropped, keep = [], []
+      dropped = [(r, Cancelled(), "queued") for r in self._drop_cancelled()]
+      keep = []
       expired = self._deadline is not None and now >= self._deadline
       for r in self._waiting:
-        if r.cancelled:
-          dropped.append((r, Cancelled(), "queued"))
-        elif expired:
+        if expired:
           dropped.append((r, ShutDown("the server shut down before this row started"),
                           "shutdown"))
         elif self.max_queue_wait_s is not None and now - r.enqueued > self.max_queue_wait_s:
@@ -293,6 +238,7 @@ class Engine:
     try:
       self.slots.insert(rows, [s for _, s in admitted])
       if self.metrics is not None:
+        # Only to time the encoder: the step after it waits for the insert anyway.
         jax.block_until_ready(self.slots.state.token)
         self.metrics.encode_seconds.observe(time.monotonic() - start)
     except Exception as e:  # noqa: BLE001

@@ -28,16 +28,12 @@ import bisect
 import dataclasses
 import itertools
 import random
-import threading
 import time
 from typing import Any, Callable
 
 import numpy as np
 
-from t5forge.engine import Cancelled, Closed, QueueFull  # one set of queue errors for both
-
-# How often an idle worker looks for rows whose client left.
-_CANCEL_POLL_S = 0.05
+from t5forge.engine import Cancelled, QueueWorker
 
 
 
@@ -106,8 +102,9 @@ class Buckets:
 SCORE = "score"
 
 
-class Batcher:
-  """Queue + worker thread over a `generation.Generator`.
+class Batcher(QueueWorker):
+  """Static batches over a `generation.Generator`, on one worker thread
+  (`t5forge.engine.QueueWorker`).
 
   Args:
     generator: the model (`t5forge.generation.Generator` or an exported backend).
@@ -116,47 +113,19 @@ class Batcher:
     max_wait_ms: how long the oldest row waits for company.
     max_queue: rows that may wait; more is QueueFull (HTTP 503 + Retry-After).
     metrics: a `metrics.Metrics`, or None.
-    warmup: (kinds, score?) compiled before `ready` is set.
+    warmup_kinds, warmup_score: what is compiled before `ready` is set.
   """
 
   def __init__(self, generator, buckets: Buckets, *, max_batch_size: int = 16,
                max_wait_ms: float = 10.0, max_queue: int = 256, metrics=None,
                warmup_kinds=(), warmup_score: bool = False, on_ready: Callable | None = None):
+    super().__init__(name="t5forge-batcher", max_queue=max_queue, metrics=metrics,
+                     on_ready=on_ready)
     self.generator, self.buckets = generator, buckets
     self.max_batch_size, self.max_wait = max_batch_size, max_wait_ms / 1000.0
-    self.max_queue, self.metrics = max_queue, metrics
-    self._warmup_kinds, self._warmup_score, self._on_ready = tuple(warmup_kinds), warmup_score, on_ready
-    self._pending: list[Row] = []
+    self._warmup_kinds, self._warmup_score = tuple(warmup_kinds), warmup_score
     self._free_since = 0.0  # monotonic time the last batch finished
-    self._cond = threading.Condition()
-    self._closing = False
-    self.ready = threading.Event()
-    self.failed: BaseException | None = None
-    self.compiled_shapes = 0
     self._seeds = itertools.count(random.SystemRandom().randrange(2 ** 30))
-    self._thread = threading.Thread(target=self._run, name="t5forge-batcher", daemon=True)
-
-  def start(self) -> None:
-    self._thread.start()
-
-  # -- the HTTP side ------------------------------------------------------------------------
-  def submit(self, rows: list[Row]) -> None:
-    """Enqueues a request's rows together (all or none)."""
-    with self._cond:
-      if self._closing:
-        raise Closed()
-      if len(self._pending) + len(rows) > self.max_queue:
-        raise QueueFull()
-      now = time.monotonic()
-      for r in rows:
-        r.enqueued = now
-      self._pending.extend(rows)
-      self._depth()
-      self._cond.notify()
-
-  def queue_depth(self) -> int:
-    with self._cond:
-      return len(self._pending)
 
   def close(self, timeout: float | None = None) -> None:
     """Stops taking rows, finishes the waiting and running ones, joins the worker."""
@@ -166,29 +135,8 @@ class Batcher:
     if self._thread.is_alive():
       self._thread.join(timeout)
 
-  def _depth(self) -> None:
-    if self.metrics is not None:
-      self.metrics.queue_depth.set(len(self._pending))
-
   # -- the worker ---------------------------------------------------------------------------
-  def _run(self) -> None:
-    try:
-      self._warmup()
-    except BaseException as e:  # noqa: BLE001
-      # Reported by /health and the CLI; queued rows fail rather than hang.
-      self.failed = e
-      with self._cond:
-        self._closing = True
-        rows, self._pending = self._pending, []
-      for r in rows:
-        r.done(e)
-      self.ready.set()
-      if self._on_ready:
-        self._on_ready()
-      return
-    self.ready.set()
-    if self._on_ready:
-      self._on_ready()
+  def _serve(self) -> None:
     while True:
       rows = self._take()
       if rows is None:
@@ -196,7 +144,7 @@ class Batcher:
       self._execute(rows)
       self._free_since = time.monotonic()
 
-  def _warmup(self) -> None:
+  def _warmup(self) -> int:
     b = self.buckets
     n = 0
     if self._warmup_kinds:
@@ -208,42 +156,40 @@ class Batcher:
           for t in b.decode:
             self.generator.score(np.ones((size, i), np.int32), np.ones((size, t), np.int32))
             n += 1
-    self.compiled_shapes = n
+    return n
 
   def _take(self) -> list[Row] | None:
-    """Blocks for the next batch: rows of the oldest row's group (None: closed and empty)."""
-    with self._cond:
-      while True:
-        left = [r for r in self._pending if r.cancelled]
-        if left:
-          self._pending = [r for r in self._pending if not r.cancelled]
-          for r in left:
-            r.done(Cancelled())
-            if self.metrics is not None:
-              self.metrics.cancelled.labels("queued").inc()
-        if self._pending:
+    """Blocks for the next batch: rows of the oldest row's group (None: closed and empty).
+    Rows whose client left are dropped, never run."""
+    while True:
+      with self._cond:
+        gone = self._drop_cancelled()
+        if not gone:
+          while not self._waiting:
+            if self._closing:
+              return None
+            self._cond.wait()
           break
-        if self._closing:
-          return None
-        self._cond.wait(_CANCEL_POLL_S)
-      group = self._pending[0].group
+      self._fail(gone, Cancelled(), "queued")
+    with self._cond:
+      group = self._waiting[0].group
       # The wait counts from when the model became free, not from when the oldest row
       # arrived: rows queued during the last batch have waited longer than max_wait,
       # and starting at once would leave out the clients whose answers were just sent
       # (under steady load the batches then alternate between two half-full ones, each
       # padded to the full bucket: 0.46x the offline tokens/s at concurrency 16).
-      deadline = max(self._pending[0].enqueued, self._free_since) + self.max_wait
+      deadline = max(self._waiting[0].enqueued, self._free_since) + self.max_wait
       while not self._closing:
-        same = sum(1 for r in self._pending if r.group == group)
+        same = sum(1 for r in self._waiting if r.group == group)
         left = deadline - time.monotonic()
         if same >= self.max_batch_size or left <= 0:
           break
         self._cond.wait(left)
       rows, rest = [], []
-      for r in self._pending:
+      for r in self._waiting:
         (rows if r.group == group and len(rows) < self.max_batch_size else rest).append(r)
-      self._pending = rest
-      self._depth()
+      self._waiting = rest
+      self._gauges()
       return rows
 
   def _execute(self, rows: list[Row]) -> None:
