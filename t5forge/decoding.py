@@ -270,13 +270,30 @@ def _topp_mask(logits: jax.Array, topp: jax.Array) -> jax.Array:
   """
   # One sort per step: [f, v] descending.
   sorted_logits = jnp.flip(jnp.sort(logits, axis=-1), axis=-1)
+  masked = jnp.where(logits >= _topp_cutoff(sorted_logits, topp), logits, -jnp.inf)
+  return jnp.where((topp > 0) & (topp < 1), masked, logits)
+
+
+def _topp_cutoff(sorted_logits: jax.Array, topp: jax.Array) -> jax.Array:
+  """The smallest logit top-p keeps: [f, v] sorted descending, topp [f, 1] -> [f, 1]."""
   probs = jax.nn.softmax(sorted_logits, axis=-1)
   mass_before = jnp.cumsum(probs, axis=-1) - probs
   # A token is needed while the mass of the tokens above it is still short of topp.
-  keep = (mass_before < topp) | (jnp.arange(logits.shape[-1]) == 0)
-  cutoff = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
-  masked = jnp.where(logits >= cutoff, logits, -jnp.inf)
-  return jnp.where((topp > 0) & (topp < 1), masked, logits)
+  keep = (mass_before < topp) | (jnp.arange(sorted_logits.shape[-1]) == 0)
+  return jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+
+
+def filter_rows(logits: jax.Array, topk: jax.Array, topp: jax.Array) -> jax.Array:
+  """Per-row top-k and top-p (both may apply) with one sort: logits [f, v], topk [f]
+  int (0: off; ties with the k-th kept, as `_topk_mask`), topp [f] float (outside
+  (0, 1): off; as `_topp_mask`) -> [f, v] with the dropped tokens at -inf."""
+  v = logits.shape[-1]
+  sorted_logits = jnp.flip(jnp.sort(logits, axis=-1), axis=-1)
+  kth = jnp.take_along_axis(sorted_logits, jnp.clip(topk - 1, 0, v - 1)[:, None], axis=-1)
+  k_cut = jnp.where(topk[:, None] > 0, kth, -jnp.inf)
+  p_cut = jnp.where(((topp > 0) & (topp < 1))[:, None],
+                    _topp_cutoff(sorted_logits, topp[:, None]), -jnp.inf)
+  return jnp.where(logits >= jnp.maximum(k_cut, p_cut), logits, -jnp.inf)
 
 
 def _token_log_prob(logits: jax.Array, token: jax.Array) -> jax.Array:

@@ -99,23 +99,10 @@ def sample_tokens(logits: jax.Array, lp: jax.Array, key: jax.Array, position: ja
   draw with `fold_in(key, position)`; they are scored under the distribution drawn from.
   One sort per call, only when some running row filters.
   """
-  v = logits.shape[-1]
   greedy = temperature <= decoding.MIN_TEMPERATURE
   scaled = logits / jnp.maximum(temperature, decoding.MIN_TEMPERATURE)[:, None]
-  uses_p = (top_p > 0) & (top_p < 1)
-
-  def filtered():
-    srt = -jnp.sort(-scaled, axis=-1)  # [s, v] descending
-    kth = jnp.take_along_axis(srt, jnp.clip(top_k - 1, 0, v - 1)[:, None], axis=-1)[:, 0]
-    k_cut = jnp.where(top_k > 0, kth, -jnp.inf)
-    probs = jax.nn.softmax(srt, axis=-1)
-    keep = (jnp.cumsum(probs, axis=-1) - probs < top_p[:, None]) | (jnp.arange(v) == 0)
-    p_cut = jnp.where(uses_p, jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1), -jnp.inf)
-    cut = jnp.maximum(k_cut, p_cut)[:, None]
-    return jnp.where(scaled >= cut, scaled, -jnp.inf)
-
-  needed = jnp.any(running & ~greedy & ((top_k > 0) | uses_p))
-  scaled = lax.cond(needed, filtered, lambda: scaled)
+  needed = jnp.any(running & ~greedy & ((top_k > 0) | ((top_p > 0) & (top_p < 1))))
+  scaled = lax.cond(needed, lambda: decoding.filter_rows(scaled, top_k, top_p), lambda: scaled)
   best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   pick = lambda x, t: jnp.take_along_axis(x, t[:, None], axis=-1)[:, 0]
 
