@@ -163,6 +163,19 @@ def test_seeded_text_is_the_same_alone_and_in_a_crowd(ckpt):
   asks = [{"prompt": f"God is love {i}", "max_tokens": 24, "temperature": 1.0, "seed": 7 + i,
            "n": 2} for i in range(6)]
   with sh.Server(ckpt, *flags) as srv:
+    # Greedy n > 1: one decode, its text n times (streamed too).
+    greedy = {"prompt": "God is love", "max_tokens": 12, "temperature": 0}
+    one = sh.request(srv.url, "/v1/completions", greedy)[2]["choices"][0]["text"]
+    assert one
+    three = sh.request(srv.url, "/v1/completions", {**greedy, "n": 3})[2]["choices"]
+    assert [c["text"] for c in three] == [one] * 3
+    events = sh.request(srv.url, "/v1/completions", {**greedy, "n": 3, "stream": True})[2]
+    streamed = ["", "", ""]
+    for line in events.splitlines():
+      if line.startswith("data: {"):
+        c = json.loads(line[6:])["choices"][0]
+        streamed[c["index"]] += c["text"]
+    assert streamed == [one] * 3
     alone = [sh.request(srv.url, "/v1/completions", a)[2] for a in asks]
     crowd = [None] * len(asks)
 

@@ -37,7 +37,6 @@ class Plan:
 
   def __init__(self, req: api.CompletionRequest, kind_cls):
     lp = req.logprobs or 0
-    self.repeat = 1
     if req.num_beams > 1:
       self.kind = kind_cls(method="beam", num_decodes=req.num_beams)
       self.group = ("beam", self.kind, req.alpha)
@@ -67,7 +66,6 @@ def _check_kind(s: Service, plan: Plan) -> None:
     raise api.ApiError(400, str(e), param=param, code="unsupported") from None
 
 
-
 def _check_cost(s: Service, req: api.CompletionRequest, ids: list[list[int]]) -> None:
   """A 400 before any work when the request's tokens (each prompt plus n completions of
   max_tokens) are over --max_request_tokens."""
@@ -89,7 +87,7 @@ class _Choices:
   streaming, and each choice's `Choice` (or exception) settles its future."""
 
   def __init__(self, s: Service, loop, count: int, stops: list[str], stream: bool):
-    self.loop, self.vocab = loop, s.vocabulary
+    self.loop = loop
     self.texts = [ChoiceText(s.vocabulary, stops, s.stop_ids) for _ in range(count)]
     self.futs = [loop.create_future() for _ in range(count)]
     self.events: asyncio.Queue | None = asyncio.Queue() if stream else None
@@ -111,16 +109,14 @@ class _Choices:
     if isinstance(result, BaseException):
       if self.events is not None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (indices[0], result, "error"))
-      settle = [(i, result) for i in indices]
     else:
       text = self.texts[indices[0]]
       delta = text.finish()
-      reason = "stop" if text.stopped or text.closed or result.finished else "length"
+      reason = text.finish_reason(result.finished)
       for i in indices:
         self._emit(i, delta, reason)
-      settle = [(i, result) for i in indices]
-    for i, r in settle:
-      resolver(self.loop, self.futs[i])(r)
+    for i in indices:
+      resolver(self.loop, self.futs[i])(result)
 
 
 def _engine_rows(s: Service, req, plan: Plan, ids, ch: _Choices) -> list:
@@ -132,6 +128,8 @@ def _engine_rows(s: Service, req, plan: Plan, ids, ch: _Choices) -> list:
     groups = ([list(range(p * n, p * n + n))] if plan.kind.method == "greedy"
               else [[p * n + j] for j in range(n)])
     for j, indices in enumerate(groups):
+      for i in indices[1:]:  # greedy n > 1: one decode, its text n times
+        ch.texts[i] = ch.texts[indices[0]]
       def on_tokens(toks, lps, tids, tlps, indices=indices):
         del lps, tids, tlps
         return ch.tokens(indices, toks)
@@ -263,8 +261,8 @@ async def complete(s: Service, request: fastapi.Request):
                     None if not k or c.top_ids is None else [t[:k] for t in c.top_ids],
                     None if not k or c.top_logprobs is None else [t[:k] for t in c.top_logprobs],
                     len(text.final_text))
-    reason = "stop" if text.stopped or text.closed or c.finished else "length"
-    choices.append({"text": text.final_text, "index": i, "logprobs": lp, "finish_reason": reason})
+    choices.append({"text": text.final_text, "index": i, "logprobs": lp,
+                    "finish_reason": text.finish_reason(c.finished)})
   s.metrics.completion_tokens.inc(completion_tokens)
   return {"id": rid, "object": "text_completion", "created": created, "model": s.model_name,
           "choices": choices,

@@ -109,9 +109,6 @@ class Service:
     """The worker threads' owners: the batcher, and the engine when there is one."""
     return [self.batcher] + ([self.engine] if self.engine is not None else [])
 
-  def longest_input(self) -> int:
-    return self.batcher.buckets.length[-1]
-
 
 def resolver(loop, fut):
   """A row's `done` callback (called on the batcher's thread) that settles `fut` with the

@@ -73,6 +73,10 @@ class ChoiceText:
       self._prefix = self._read = len(self.ids)
     return self.feed([], final=True)
 
+  def finish_reason(self, ended_with_stop_id: bool) -> str:
+    """OpenAI's: "stop" for a stop id or a stop sequence, else "length"."""
+    return "stop" if self.stopped or self.closed or ended_with_stop_id else "length"
+
   @property
   def final_text(self) -> str:
     return cut_at_stop(self.text, self.stops)[0]
