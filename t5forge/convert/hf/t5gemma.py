@@ -123,14 +123,7 @@ def config_from_hf(hf_cfg: dict, *, source: str, untied_lm_head: bool = False,
                       "t5forge pads with id 0")
     tied = hf_cfg.get("tie_word_embeddings", True) is not False and not untied_lm_head
 
-    def dims(m: dict) -> dict:
-      heads = int(m["num_attention_heads"])
-      return {"emb_dim": int(m["hidden_size"]), "num_heads": heads,
-              "num_kv_heads": int(m.get("num_key_value_heads") or heads),
-              "head_dim": int(m.get("head_dim") or int(m["hidden_size"]) // heads),
-              "mlp_dim": int(m["intermediate_size"])}
-
-    d, e = dims(dec), dims(enc)
+    d, e = stack_dims(dec), stack_dims(enc)
 
     def opt(name):
       value = dec.get(name)
@@ -171,22 +164,31 @@ def config_from_hf(hf_cfg: dict, *, source: str, untied_lm_head: bool = False,
     raise UserError(f"{source}: {err}") from None
 
 
-def _module_config(config: ModelConfig, *, encoder: bool) -> dict:
+def stack_dims(m: dict) -> dict:
+  """A Gemma stack's sizes in config.json (T5Gemma's and T5Gemma 2's encoder and
+  decoder) -> ModelConfig's field names."""
+  heads = int(m["num_attention_heads"])
+  return {"emb_dim": int(m["hidden_size"]), "num_heads": heads,
+          "num_kv_heads": int(m.get("num_key_value_heads") or heads),
+          "head_dim": int(m.get("head_dim") or int(m["hidden_size"]) // heads),
+          "mlp_dim": int(m["intermediate_size"])}
+
+
+def stack_fields(config: ModelConfig, *, encoder: bool) -> dict:
+  """The config.json fields of one Gemma stack of `config` that T5Gemma and T5Gemma 2
+  write alike (each adds its model type, RoPE, soft-cap and tying fields)."""
   c = config.encoder if encoder else config
   layers = config.num_encoder_layers if encoder else config.num_decoder_layers
-  m = {
-      "model_type": "t5_gemma_module",
+  return {
       "vocab_size": config.vocab_size,
       "hidden_size": c.emb_dim,
       "intermediate_size": c.mlp_dim,
       "num_hidden_layers": layers,
       "num_attention_heads": c.num_heads,
-      "num_key_value_heads": c.num_kv_heads or c.num_heads,
+      "num_key_value_heads": c.kv_heads,
       "head_dim": c.head_dim,
       "hidden_activation": "gelu_pytorch_tanh",
-      "max_position_embeddings": config.max_position_embeddings or 8192,
       "rms_norm_eps": config.layer_norm_epsilon,
-      "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
       "attention_bias": False,
       "attention_dropout": 0.0,
       "dropout_rate": config.dropout_rate,
@@ -198,10 +200,19 @@ def _module_config(config: ModelConfig, *, encoder: bool) -> dict:
       "layer_types": ["sliding_attention" if s else "full_attention"
                       for s in config.sliding_layers(layers)],
       "final_logit_softcapping": config.final_logit_softcapping,
-      "attn_logit_softcapping": config.attn_logit_softcapping,
       "pad_token_id": 0,
       "eos_token_id": eos_value(config),
       "bos_token_id": config.decoder_start_token_id,
+  }
+
+
+def _module_config(config: ModelConfig, *, encoder: bool) -> dict:
+  m = {
+      "model_type": "t5_gemma_module",
+      **stack_fields(config, encoder=encoder),
+      "max_position_embeddings": config.max_position_embeddings or 8192,
+      "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+      "attn_logit_softcapping": config.attn_logit_softcapping,
       "tie_word_embeddings": config.logits_via_embedding,
       "is_decoder": not encoder,
   }

@@ -26,7 +26,7 @@ import numpy as np
 
 from t5forge.convert.hf import t5gemma, tokenizer
 from t5forge.convert.hf.config_files import (CONFIG_FILE, GENERATION_CONFIG_FILE, eos_token_ids,
-                                             eos_value, int_if_whole, read_generation_config)
+                                             eos_value, read_generation_config)
 from t5forge.convert.hf.family import Family, NameTable, params_to_state, state_to_params
 from t5forge.convert.hf.weights import load_hf_state
 from t5forge.errors import UserError
@@ -142,14 +142,7 @@ def config_from_hf(hf_cfg: dict, *, source: str, generation: dict | None = None,
     if window is None and pattern <= n_dec:
       raise UserError(f"{source}: sliding layers but sliding_window is null")
 
-    def dims(m: dict) -> dict:
-      heads = int(m["num_attention_heads"])
-      return {"emb_dim": int(m["hidden_size"]), "num_heads": heads,
-              "num_kv_heads": int(m.get("num_key_value_heads") or heads),
-              "head_dim": int(m.get("head_dim") or int(m["hidden_size"]) // heads),
-              "mlp_dim": int(m["intermediate_size"])}
-
-    d, e = dims(dec), dims(enc)
+    d, e = t5gemma.stack_dims(dec), t5gemma.stack_dims(enc)
     eoi = int(hf_cfg.get("eoi_token_index", encoder.get("eoi_token_index", 256000)))
     cap = dec.get("final_logit_softcapping")
     return ModelConfig(
@@ -187,20 +180,10 @@ def config_from_hf(hf_cfg: dict, *, source: str, generation: dict | None = None,
 
 
 def _text_module(config: ModelConfig, *, encoder: bool) -> dict:
-  c = config.encoder if encoder else config
-  layers = config.num_encoder_layers if encoder else config.num_decoder_layers
   return {
       "model_type": "t5gemma2_text" if encoder else "t5gemma2_decoder",
-      "vocab_size": config.vocab_size,
-      "hidden_size": c.emb_dim,
-      "intermediate_size": c.mlp_dim,
-      "num_hidden_layers": layers,
-      "num_attention_heads": c.num_heads,
-      "num_key_value_heads": c.kv_heads,
-      "head_dim": c.head_dim,
-      "hidden_activation": "gelu_pytorch_tanh",
+      **t5gemma.stack_fields(config, encoder=encoder),
       "max_position_embeddings": config.max_position_embeddings or 131072,
-      "rms_norm_eps": config.layer_norm_epsilon,
       "rope_parameters": {
           "full_attention": (
               {"rope_type": "default", "rope_theta": config.rope_theta}
@@ -209,21 +192,7 @@ def _text_module(config: ModelConfig, *, encoder: bool) -> dict:
                "rope_theta": config.rope_theta}),
           "sliding_attention": {"rope_type": "default",
                                 "rope_theta": config.rope_local_theta or config.rope_theta}},
-      "attention_bias": False,
-      "attention_dropout": 0.0,
-      "dropout_rate": config.dropout_rate,
-      # transformers declares it an int (strictly checked); ours is a float.
-      "query_pre_attn_scalar": int_if_whole(
-          config.query_pre_attn_scalar if config.query_pre_attn_scalar is not None
-          else c.head_dim),
-      "sliding_window": config.sliding_window,
-      "layer_types": ["sliding_attention" if s else "full_attention"
-                      for s in config.sliding_layers(layers)],
-      "final_logit_softcapping": config.final_logit_softcapping,
       "attn_logit_softcapping": None,
-      "pad_token_id": 0,
-      "eos_token_id": eos_value(config),
-      "bos_token_id": config.decoder_start_token_id,
       "tie_word_embeddings": True,
   }
 
