@@ -223,6 +223,21 @@ def test_priority_then_arrival_and_queue_timeout():
     e.close()
 
 
+def test_drain_still_takes_rows_close_refuses_them():
+  # SIGTERM starts the deadline while uvicorn still finishes requests it accepted before
+  # the signal: their rows must reach a slot, not fail as if the server were closed.
+  m = t5forge.init("t5_1_1.tiny", vocab_size=VOCAB, seed=1)
+  e = _engine(m, slots=1, steps=1)
+  try:
+    e.drain(60)
+    row = engine_lib.Row(ids=[5, 1], max_new_tokens=2)
+    assert isinstance(e.generate([row])[0], engine_lib.RowOutput)
+  finally:
+    e.close()
+  with pytest.raises(engine_lib.Closed):
+    e.submit([engine_lib.Row(ids=[5, 1], max_new_tokens=2)])
+
+
 def test_slots_that_do_not_fit_are_refused_with_the_bytes():
   m = t5forge.init("t5_1_1.tiny", vocab_size=VOCAB, seed=1)
   s = engine_lib.Slots(m.model, m.params, num_slots=64, decode_length=LENGTH,

@@ -132,17 +132,21 @@ class Engine(QueueWorker):
     return compile_count() - self.compiles_at_ready
 
   def drain(self, timeout: float | None = None) -> None:
-    """Stops taking rows (SIGTERM); with `timeout` (> 0), rows still waiting or running
-    after it fail with ShutDown. Returns at once."""
+    """Starts the shutdown deadline (SIGTERM): with `timeout` (> 0), rows still waiting or
+    running after it fail with ShutDown. Rows are still taken until `close`: a request the
+    HTTP layer accepted before the signal must reach its slot. Returns at once."""
     with self._cond:
-      self._closing = True
       if timeout and self._deadline is None:
         self._deadline = time.monotonic() + timeout
       self._cond.notify()
 
   def close(self, timeout: float | None = None) -> None:
-    """`drain(timeout)`, then joins the worker once the queue and the slots are empty."""
+    """`drain(timeout)`, stops taking rows, then joins the worker once the queue and the
+    slots are empty."""
     self.drain(timeout)
+    with self._cond:
+      self._closing = True
+      self._cond.notify()
     if self._thread.is_alive():
       self._thread.join()
 
