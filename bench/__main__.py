@@ -5,6 +5,7 @@
     python -m bench decode --sizes small   # one case, one shape
     python -m bench --quick                # smoke test: tiny shapes, 1 round (~2-3 minutes)
     python -m bench serve                  # `t5forge serve` under load (bench/serve.py)
+    python -m bench infer                  # `t5forge infer`, engine vs static batches
     python -m bench matmul t5gemma         # T5Gemma-S-S training + greedy vs transformers
 
 Cases: `matmul` (JAX and torch matmul peaks), `train` (step time, tokens/s, peak RSS,
@@ -37,8 +38,8 @@ import os
 import sys
 import time
 
-from bench import (decode_cases, report as report_lib, serve, shapes, t5gemma_cases, table,
-                   train_cases)
+from bench import (decode_cases, infer_mixed, report as report_lib, serve, shapes,
+                   t5gemma_cases, table, train_cases)
 from bench.prepare import RESULTS_DIR, Context, bf16_hardware, machine_info, prepare_models
 from bench.workers import WorkerError, log
 
@@ -84,6 +85,8 @@ def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   if argv[:1] == ["serve"]:  # its own driver, flags and JSON (bench/serve.py); never in "all"
     return serve.main(argv[1:])
+  if argv[:1] == ["infer"]:  # its own driver too (bench/infer_mixed.py)
+    return infer_mixed.main(argv[1:])
   args = _parse(argv)
   plan = shapes.QUICK if args.quick else shapes.FULL
   rounds = args.rounds or plan.rounds

@@ -39,10 +39,12 @@ from t5forge import data, decoding, files, multihost, opener, provenance
 from t5forge.data import vocab_io
 from t5forge.data.files import iter_lines
 from t5forge.errors import UserError
-from t5forge.predict import DecodeOptions, Predictor, features_from_tokens
+from t5forge.engine import offline
+from t5forge.predict import DecodeOptions, Predictor, features_from_tokens, fit
 from t5forge.sharding import Partitioner
 
 MODES = ("predict", "predict_with_aux", "score")
+SCHEDULERS = ("continuous", "static")
 
 
 @dataclasses.dataclass
@@ -134,7 +136,8 @@ def infer(*, model, params, examples: list[Example], output_dir: str, name: str,
           input_length: int | None = None, target_length: int = 64, strict: bool = False,
           decode_options: DecodeOptions | None = None,
           partitioner: Partitioner | None = None, param_shardings=None,
-          checkpoint: dict | None = None, overwrite: bool = False) -> InferResult:
+          checkpoint: dict | None = None, overwrite: bool = False,
+          scheduler: str = "continuous") -> InferResult:
   """Runs inference over `examples`, chunk by chunk, resumably (see the module doc).
 
   Args:
@@ -147,9 +150,16 @@ def infer(*, model, params, examples: list[Example], output_dir: str, name: str,
       the fingerprint that decides whether earlier output may be reused.
     overwrite: delete earlier output of this name made by other work (other inputs,
       mode, decoding options or checkpoint) instead of refusing.
+    scheduler: 'continuous': greedy and sampled decodes of an encoder-decoder model feed
+      the engine's batch_size slots as they free up (`engine.OfflineDecoder`); 'static':
+      padded batches of batch_size that each decode as long as their longest row (the
+      only way for beams, decoder-only models and scoring). Greedy output is the same
+      either way; sampled output is not (the engine keys each row by its place).
   """
   if mode not in MODES:
     raise UserError(f"--mode {mode!r}: choose one of {MODES}")
+  if scheduler not in SCHEDULERS:
+    raise UserError(f"--scheduler {scheduler!r}: choose one of {SCHEDULERS}")
   if mode == "score" and any(ex.targets is None for ex in examples):
     raise UserError("score mode needs targets for every input")
   vocab = model.vocabulary
@@ -166,53 +176,50 @@ def infer(*, model, params, examples: list[Example], output_dir: str, name: str,
   partitioner.check_batch_size(batch_size)
   predictor = Predictor(model, partitioner=partitioner, param_shardings=param_shardings)
   opts = decode_options or DecodeOptions()
+  continuous = (scheduler == "continuous" and mode != "score"
+                and offline.supports(model, opts))
   os.makedirs(output_dir, exist_ok=True)
   base = os.path.join(output_dir, f"{name}-{step}.jsonl")
   n_chunks = max(1, -(-len(examples) // chunk_size))
   work = fingerprint(examples, mode=mode, options=opts, input_length=input_length,
                      target_length=target_length, chunk_size=chunk_size, model=model,
-                     checkpoint=checkpoint)
+                     checkpoint=checkpoint, engine=continuous)
   _claim(base, work, overwrite=overwrite)
   if os.path.exists(base) and not glob.glob(f"{glob.escape(base)}-*.COMPLETED"):
     return InferResult(base, len(examples), 0, 0, n_chunks)  # merged by an earlier run
   marker = provenance.digest(work)  # a COMPLETED marker names the work its chunk belongs to
   done_now = 0
-  for k in range(jax.process_index(), n_chunks, jax.process_count()):
-    chunk_path = f"{base}-{k:05d}-of-{n_chunks:05d}"
-    if _read(chunk_path + ".COMPLETED") == marker:
-      continue  # finished by an earlier run of the same work
-    chunk = examples[k * chunk_size:(k + 1) * chunk_size]
-    lines = []
-    for start in range(0, len(chunk), batch_size):
-      part = chunk[start:start + batch_size]
-      batch = features_from_tokens([ex.inputs for ex in part], [ex.targets for ex in part],
-                                   encoder_decoder=model.config.is_encoder_decoder,
-                                   input_length=input_length, target_length=target_length,
-                                   eos=eos, rows=batch_size)
-      # One process: the batch is split over all devices. Several: each process infers
-      # its own chunks on its own devices (the predictor places the rows), with no
-      # collective in the loop.
-      gbatch = partitioner.shard_batch(batch) if jax.process_count() == 1 else batch
-      if mode == "score":
-        scores = predictor.score(params, gbatch)
-        for r, ex in enumerate(part):
-          lines.append({"inputs": ex.pretokenized, "score": float(scores[r])})
-        continue
-      tokens, scores = predictor.predict(params, gbatch, opts, max_decode_length=target_length)
-      for r, ex in enumerate(part):
-        toks = [int(t) for t in tokens[r]]
-        ends = np.flatnonzero(np.isin(toks, stops))
-        cut = toks[:ends[0] + 1] if len(ends) else toks
-        row = {"inputs": ex.pretokenized,
-               "prediction": (vocab.decode(decoding.text_ids(cut, stops)) if vocab is not None
-                              else None),
-               "prediction_tokens": cut}
-        if mode == "predict_with_aux":
-          row["aux"] = {"scores": float(scores[r])}
-        lines.append(row)
-    files.write_lines(chunk_path, lines)
-    files.write_text(chunk_path + ".COMPLETED", marker)  # after the chunk is whole
-    done_now += 1
+  # Greedy and sampled decodes of an encoder-decoder feed the engine's slots
+  # continuously (a short row frees its slot for the next); beams, decoder-only models
+  # and scoring run in static batches.
+  engine = None
+  if continuous:
+    engine = offline.OfflineDecoder(model, params, num_slots=batch_size,
+                                    decode_length=target_length, input_length=input_length,
+                                    partitioner=partitioner)
+  try:
+    for k in range(jax.process_index(), n_chunks, jax.process_count()):
+      chunk_path = f"{base}-{k:05d}-of-{n_chunks:05d}"
+      if _read(chunk_path + ".COMPLETED") == marker:
+        continue  # finished by an earlier run of the same work
+      chunk = examples[k * chunk_size:(k + 1) * chunk_size]
+      if engine is not None:
+        tokens, scores = engine.decode([fit(ex.inputs, input_length, eos) for ex in chunk],
+                                       opts)
+        lines = _prediction_lines(chunk, tokens, scores, mode=mode, vocab=vocab, stops=stops)
+      else:
+        lines = []
+        for start in range(0, len(chunk), batch_size):
+          lines += _static_lines(model, params, predictor, partitioner,
+                                 chunk[start:start + batch_size], mode=mode, opts=opts,
+                                 input_length=input_length, target_length=target_length,
+                                 batch_size=batch_size, eos=eos, vocab=vocab, stops=stops)
+      files.write_lines(chunk_path, lines)
+      files.write_text(chunk_path + ".COMPLETED", marker)  # after the chunk is whole
+      done_now += 1
+  finally:
+    if engine is not None:
+      engine.close()
   multihost.sync("t5forge_infer_chunks")
   if multihost.is_chief():
     _merge(base, n_chunks)
@@ -223,6 +230,44 @@ def infer(*, model, params, examples: list[Example], output_dir: str, name: str,
   return InferResult(base, len(examples), len(too_long), done_now, n_chunks)
 
 
+def _static_lines(model, params, predictor, partitioner, part: list[Example], *, mode: str,
+                  opts: DecodeOptions, input_length: int, target_length: int,
+                  batch_size: int, eos: int, vocab, stops) -> list[dict]:
+  """One padded batch of `part` (at most batch_size examples) -> its output lines."""
+  batch = features_from_tokens([ex.inputs for ex in part], [ex.targets for ex in part],
+                               encoder_decoder=model.config.is_encoder_decoder,
+                               input_length=input_length, target_length=target_length,
+                               eos=eos, rows=batch_size)
+  # One process: the batch is split over all devices. Several: each process infers its
+  # own chunks on its own devices (the predictor places the rows), with no collective in
+  # the loop.
+  gbatch = partitioner.shard_batch(batch) if jax.process_count() == 1 else batch
+  if mode == "score":
+    scores = predictor.score(params, gbatch)
+    return [{"inputs": ex.pretokenized, "score": float(scores[r])} for r, ex in enumerate(part)]
+  tokens, scores = predictor.predict(params, gbatch, opts, max_decode_length=target_length)
+  return _prediction_lines(part, tokens, scores, mode=mode, vocab=vocab, stops=stops)
+
+
+def _prediction_lines(part: list[Example], tokens: np.ndarray, scores: np.ndarray, *,
+                      mode: str, vocab, stops) -> list[dict]:
+  """Decodes [>= len(part), l] and their scores -> one line per example: the text up to
+  the first stop id, the tokens through it, and with predict_with_aux the score."""
+  lines = []
+  for r, ex in enumerate(part):
+    toks = [int(t) for t in tokens[r]]
+    ends = np.flatnonzero(np.isin(toks, stops))
+    cut = toks[:ends[0] + 1] if len(ends) else toks
+    row = {"inputs": ex.pretokenized,
+           "prediction": (vocab.decode(decoding.text_ids(cut, stops)) if vocab is not None
+                          else None),
+           "prediction_tokens": cut}
+    if mode == "predict_with_aux":
+      row["aux"] = {"scores": float(scores[r])}
+    lines.append(row)
+  return lines
+
+
 FINGERPRINT = ".fingerprint.json"
 OVERWRITE_HINT = ("pass --overwrite to replace it (gin: "
                   "--gin.infer_script.infer_task.overwrite=True), or choose another "
@@ -231,19 +276,23 @@ OVERWRITE_HINT = ("pass --overwrite to replace it (gin: "
 
 def fingerprint(examples: list[Example], *, mode: str, options: DecodeOptions,
                 input_length: int, target_length: int, chunk_size: int, model,
-                checkpoint: dict | None) -> dict[str, Any]:
+                checkpoint: dict | None, engine: bool = False) -> dict[str, Any]:
   """What decides the output lines: inputs (a digest of every example's tokens, targets
   and text), mode, decoding options (predict modes), lengths, the model's numerics and
   the checkpoint; and the chunk size, which decides what the chunk files hold. Batch size
-  is not part of it: it changes no line."""
+  is not part of it: it changes no line. Sampling on the engine draws other tokens
+  than in static batches: it is recorded then."""
   h = hashlib.sha256()
   for ex in examples:
     h.update(json.dumps([ex.inputs, ex.targets, ex.pretokenized], sort_keys=True,
                         default=str).encode() + b"\n")
+  decode = None if mode == "score" else provenance.decode_record(options)
+  if decode is not None and engine and options.method == "sample":
+    decode["scheduler"] = "continuous"
   return provenance.normalized({
       "mode": mode, "inputs": {"count": len(examples), "sha256": h.hexdigest()},
       "checkpoint": checkpoint,
-      "decode": None if mode == "score" else provenance.decode_record(options),
+      "decode": decode,
       "input_length": input_length, "target_length": target_length,
       "model": provenance.model_record(model.config), "chunk_size": chunk_size})
 
@@ -326,7 +375,8 @@ def infer_task(*, restore_checkpoint_cfg, output_dir: str, dataset_cfg=None,
                decode_options: DecodeOptions | None = None, chunk_size: int = 1024,
                strict: bool = False, overwrite: bool = False, name: str | None = None,
                vocabulary_path: str | None = None, use_checkpoint_vocabulary: bool = False,
-               load_overrides: dict | None = None) -> InferResult:
+               load_overrides: dict | None = None,
+               scheduler: str = "continuous") -> InferResult:
   """Inference from a checkpoint to JSONL in `output_dir`: the one library entry point of
   `t5forge infer` (as `evaluate.evaluate` is of `t5forge eval`), and T5X's infer.py
   through gin (runs/infer.gin binds it).
@@ -349,8 +399,8 @@ def infer_task(*, restore_checkpoint_cfg, output_dir: str, dataset_cfg=None,
       `vocabulary_path`'s) instead of its own.
     load_overrides: runtime ModelConfig fields applied as the checkpoint is read
       (--dtype, --weight_dtype).
-    mode, partitioner, decode_options, chunk_size, strict, overwrite: as `infer`;
-      `overwrite` replaces earlier output of other work.
+    mode, partitioner, decode_options, chunk_size, strict, overwrite, scheduler: as
+      `infer`; `overwrite` replaces earlier output of other work.
   """
   task = dataset_cfg.mixture_or_task_name if dataset_cfg is not None else None
   if not restore_checkpoint_cfg.path:
@@ -392,7 +442,7 @@ def infer_task(*, restore_checkpoint_cfg, output_dir: str, dataset_cfg=None,
                target_length=lengths.get("targets") or 64, strict=strict,
                decode_options=decode_options, partitioner=opened.partitioner,
                param_shardings=opened.param_shardings, checkpoint=opened.identity(),
-               overwrite=overwrite)
+               overwrite=overwrite, scheduler=scheduler)
 
 
 def inference_partitioner(partitioner: Partitioner | None = None) -> Partitioner:

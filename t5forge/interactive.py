@@ -27,6 +27,7 @@ from t5forge import models, opener, presets
 from t5forge import nn as t5nn
 from t5forge.convert import LoadedCheckpoint, hf, native
 from t5forge.data import vocab_io
+from t5forge.engine import offline
 from t5forge.decoding import text_ids
 from t5forge.errors import UserError
 from t5forge.nn.config import ModelConfig
@@ -76,6 +77,7 @@ class Model:
     self.predictor = Predictor(self.model, partitioner=self.partitioner,
                                param_shardings=param_shardings)
     self._train = None  # (jitted step, state), made on the first train_step
+    self._offline = None  # (key, engine.OfflineDecoder) of the last generate()
 
   def __repr__(self) -> str:
     c = self.config
@@ -162,8 +164,9 @@ class Model:
                       "SentencePieceVocabulary('spiece.model', extra_ids=100))")
     return self.vocabulary
 
-  def _encode_texts(self, texts, max_length: int | None) -> tuple[np.ndarray, int]:
-    """Texts (or token lists) -> [b, bucketed length] with EOS; returns #truncated."""
+  def _token_rows(self, texts, max_length: int | None) -> tuple[list[list[int]], int]:
+    """Texts (or token lists) -> token lists ending in EOS, cut to max_length (EOS
+    kept); -> (rows, how many were cut)."""
     eos = self.vocabulary.eos_id if self.vocabulary is not None else 1  # T5's EOS
     rows, truncated = [], 0
     for t in texts:
@@ -172,15 +175,38 @@ class Model:
       if max_length and len(ids) > max_length:
         ids, truncated = ids[:max_length - 1] + [eos], truncated + 1
       rows.append(ids)
+    return rows, truncated
+
+  def _encode_texts(self, texts, max_length: int | None) -> tuple[np.ndarray, int]:
+    """Texts (or token lists) -> [b, bucketed length] with EOS; returns #truncated."""
+    rows, truncated = self._token_rows(texts, max_length)
     width = -(-max(len(r) for r in rows) // _LENGTH_BUCKET) * _LENGTH_BUCKET
     arr = np.zeros((len(rows), width), np.int32)
     for i, r in enumerate(rows):
       arr[i, :len(r)] = r
     return arr, truncated
 
+  def _engine(self, num_slots: int, decode_length: int, input_length: int):
+    """The engine for these sizes and the current parameters, kept for the next call."""
+    key = (num_slots, decode_length, input_length, id(self.params))
+    if self._offline is None or self._offline[0] != key:
+      if self._offline is not None:
+        self._offline[1].close()
+      dec = offline.OfflineDecoder(self.model, self.params, num_slots=num_slots,
+                                   decode_length=decode_length, input_length=input_length,
+                                   partitioner=self.partitioner)
+      self._offline = (key, dec)
+    return self._offline[1]
+
   def generate(self, texts, *, max_decode_length: int = 64, batch_size: int = 32,
                max_input_length: int | None = 512, **decoding) -> list:
-    """Strings in, strings out (batched internally).
+    """Strings in, strings out.
+
+    Greedy and sampled decodes of an encoder-decoder model run on the engine
+    (`t5forge.engine.OfflineDecoder`): batch_size rows decode at once and a finished row's
+    slot takes the next text at once; a sampled text depends on the seed and its place in
+    `texts` only. Beam search and decoder-only models decode in padded batches of
+    batch_size.
 
     Encoder-decoder: each text is an input. Decoder-only: each text is a prompt that is
     continued. Decoding stops at EOS or after max_decode_length tokens. Inputs longer
@@ -194,16 +220,27 @@ class Model:
       raise UserError("generate() takes a list of strings; wrap a single text in a list")
     vocab, out, cut = self._vocab(), [], 0
     opts = DecodeOptions.from_kwargs(**decoding)
-    for start in range(0, len(texts), batch_size):
-      chunk = list(texts[start:start + batch_size])
-      arr, n = self._encode_texts(chunk, max_input_length)
-      if not self.config.is_encoder_decoder:
-        arr = np.where(arr == vocab.eos_id, 0, arr)  # a prompt continues: no EOS
-        arr = np.pad(arr, ((0, 0), (1, 0)))  # BOS
-      cut += n
-      tokens, _ = self.predict(arr, max_decode_length, **dataclasses.asdict(opts))
-      # Several stop ids (ModelConfig.eos_token_ids): <end_of_turn> ends the text, not in it.
-      text = lambda t: vocab.decode(text_ids(t, self.model.stop_ids))
+    # Several stop ids (ModelConfig.eos_token_ids): <end_of_turn> ends the text, not in it.
+    text = lambda t: vocab.decode(text_ids(t, self.model.stop_ids))
+    if offline.supports(self.model, opts) and len(texts):
+      # Every text feeds the engine's batch_size slots as they free up.
+      rows, cut = self._token_rows(texts, max_input_length)
+      # The slots hold the encoder's keys/values at the largest bucket: no wider than
+      # the longest text needs.
+      width = -(-max(len(r) for r in rows) // _LENGTH_BUCKET) * _LENGTH_BUCKET
+      tokens, _ = self._engine(batch_size, max_decode_length, width).decode(rows, opts)
+      chunks = [tokens]
+    else:
+      chunks = []
+      for start in range(0, len(texts), batch_size):
+        chunk = list(texts[start:start + batch_size])
+        arr, n = self._encode_texts(chunk, max_input_length)
+        if not self.config.is_encoder_decoder:
+          arr = np.where(arr == vocab.eos_id, 0, arr)  # a prompt continues: no EOS
+          arr = np.pad(arr, ((0, 0), (1, 0)))  # BOS
+        cut += n
+        chunks.append(self.predict(arr, max_decode_length, **dataclasses.asdict(opts))[0])
+    for tokens in chunks:
       if tokens.ndim == 3:
         out += [[text(t) for t in row] for row in tokens.tolist()]
       else:

@@ -26,7 +26,8 @@ from t5forge.errors import UserError
 METHODS = ("greedy", "sample", "beam")
 
 
-def _fit(ids: list[int], length: int, eos: int) -> list[int]:
+def fit(ids: list[int], length: int, eos: int) -> list[int]:
+  """`ids` cut to `length` tokens, its last one EOS when it was cut."""
   return ids if len(ids) <= length else ids[:length - 1] + [eos]
 
 
@@ -46,10 +47,10 @@ def features_from_tokens(inputs: list[list[int]], targets: list[list[int] | None
          # Without weights the loss would also count the padded target positions.
          "decoder_loss_weights": np.zeros((rows, target_length), np.float32)}
     for r, (xs, ys) in enumerate(zip(inputs, targets)):
-      x = _fit(xs, input_length, eos)
+      x = fit(xs, input_length, eos)
       b["encoder_input_tokens"][r, :len(x)] = x
       if ys is not None:
-        y = _fit(ys, target_length, eos)
+        y = fit(ys, target_length, eos)
         b["decoder_target_tokens"][r, :len(y)] = y
         b["decoder_input_tokens"][r, 1:len(y)] = y[:-1]
         b["decoder_loss_weights"][r, :len(y)] = 1
@@ -60,8 +61,8 @@ def features_from_tokens(inputs: list[list[int]], targets: list[list[int] | None
       "decoder_input_tokens", "decoder_target_tokens", "decoder_causal_attention")}
   b["decoder_loss_weights"] = np.zeros((rows, width), np.float32)
   for r, (xs, ys) in enumerate(zip(inputs, targets)):
-    x = _fit(xs, input_length, eos)
-    y = _fit(ys, target_length, eos) if ys is not None else []
+    x = fit(xs, input_length, eos)
+    y = fit(ys, target_length, eos) if ys is not None else []
     seq = x + y
     b["decoder_target_tokens"][r, :len(seq)] = seq
     b["decoder_input_tokens"][r, 1:len(seq)] = seq[:-1]

@@ -52,6 +52,36 @@ def checkpoint_with_vocabulary(path: str, preset: str, seed: int) -> str:
   return path
 
 
+def eos_prone(name: str, *, vocab_size: int = 256, seed: int = 1, vocabulary=None):
+  """A random-init `name` (a preset) whose EOS logit nearly copies the token its greedy
+  decodes pick most: its outputs end at many different lengths, as a trained model's do
+  (random weights alone rarely emit EOS). -> a `t5forge.Model`."""
+  import numpy as np  # noqa: PLC0415 (as above)
+
+  import t5forge  # noqa: PLC0415 (as above)
+  m = t5forge.init(name, vocab_size=vocab_size, seed=seed, vocabulary=vocabulary)
+  x = np.zeros((4, 16), np.int32)
+  x[:, :8] = np.random.default_rng(0).integers(2, vocab_size, (4, 8))
+  x[:, 8] = 1
+  tokens, _ = m.predict(x, max_decode_length=24)
+  counts = np.bincount(tokens[:, 2:].ravel(), minlength=vocab_size)
+  counts[:2] = 0
+  params = m.params
+  dec = params["decoder"]
+  if "logits_dense" in dec:
+    kernel = dec["logits_dense"]["kernel"]
+    kernel = kernel.at[:, 1].set(kernel[:, int(counts.argmax())] * 1.01)
+    m.params = {**params, "decoder": {**dec, "logits_dense": {"kernel": kernel}}}
+  else:  # a tied embedding: EOS's row nearly copies the frequent token's
+    owner = dec if "token_embedder" in dec else params
+    table = owner["token_embedder"]["embedding"]
+    table = table.at[1].set(table[int(counts.argmax())] * 1.01)
+    owner = {**owner, "token_embedder": {"embedding": table}}
+    m.params = ({**params, "decoder": owner} if "token_embedder" in dec
+                else {**params, "token_embedder": owner["token_embedder"]})
+  return m
+
+
 def tiny_checkpoint(path: str) -> str:
   """A random t5_1_1.tiny (seed 1) with the bundled vocabulary, saved at `path`."""
   return checkpoint_with_vocabulary(path, "t5_1_1.tiny", seed=1)

@@ -13,37 +13,13 @@ import pytest
 
 import t5forge
 from t5forge import engine as engine_lib
+from t5forge import testing as sh
 from t5forge.errors import UserError
 from t5forge.generation import Generator, Kind
 
 VOCAB = 256
 LENGTH = 128  # the decode length: max_tokens in [1, 128]
 BUCKETS = (32, 128)  # input buckets: prompts of 8..120 tokens + EOS
-
-
-def _eos_prone(name: str):
-  """A tiny model whose EOS logit nearly copies a token greedy decoding often picks."""
-  m = t5forge.init(name, vocab_size=VOCAB, seed=1)
-  x = np.zeros((4, 16), np.int32)
-  x[:, :8] = np.random.default_rng(0).integers(2, VOCAB, (4, 8))
-  x[:, 8] = 1
-  tokens, _ = m.predict(x, max_decode_length=24)
-  counts = np.bincount(tokens[:, 2:].ravel(), minlength=VOCAB)
-  counts[:2] = 0
-  params = m.params
-  dec = params["decoder"]
-  if "logits_dense" in dec:
-    kernel = dec["logits_dense"]["kernel"]
-    kernel = kernel.at[:, 1].set(kernel[:, int(counts.argmax())] * 1.01)
-    m.params = {**params, "decoder": {**dec, "logits_dense": {"kernel": kernel}}}
-  else:  # a tied embedding: EOS's row nearly copies the frequent token's
-    owner = dec if "token_embedder" in dec else params
-    table = owner["token_embedder"]["embedding"]
-    table = table.at[1].set(table[int(counts.argmax())] * 1.01)
-    owner = {**owner, "token_embedder": {"embedding": table}}
-    m.params = ({**params, "decoder": owner} if "token_embedder" in dec
-                else {**params, "token_embedder": owner["token_embedder"]})
-  return m
 
 
 def _requests(seed: int, count: int):
@@ -92,7 +68,7 @@ def _poisson(engine, rows, rate: float, seed: int) -> list:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["t5_1_1.tiny", "t5gemma.tiny", "t5gemma2.tiny"])
 def test_poisson_greedy_equals_each_request_alone(name):
-  m = _eos_prone(name)
+  m = sh.eos_prone(name)
   requests = _requests(seed=0, count=96)
   gen = Generator(m.model, m.params, partitioner=m.partitioner)
   expected = [_alone(gen, ids, mx) for ids, mx in requests]
@@ -118,7 +94,7 @@ def _sampled(seed_rows):
 
 
 def test_seeded_sampling_ignores_its_neighbours():
-  m = _eos_prone("t5_1_1.tiny")
+  m = sh.eos_prone("t5_1_1.tiny")
   rng = np.random.default_rng(3)
   spec = [(ids, mx, [0, 20][k % 2], [1.0, 1.0, 0.8][k % 3], 100 + k // 2, k % 2)
           for k, (ids, mx) in enumerate(_requests(seed=2, count=24))]

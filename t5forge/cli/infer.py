@@ -46,6 +46,11 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--name", default=None, help="output name (default: task or file name)")
   parser.add_argument("--batch_size", type=int, default=32)
   parser.add_argument("--chunk_size", type=int, default=1024, help="inputs per resumable chunk")
+  parser.add_argument("--scheduler", choices=["continuous", "static"], default="continuous",
+                      help="continuous: greedy / sampled rows of an encoder-decoder feed "
+                      "--batch_size decode slots as they free up; static: padded batches "
+                      "that decode as long as their longest row (beams, decoder-only models "
+                      "and score mode always)")
   parser.add_argument("--max_input_length", type=int, default=None,
                       help="truncate longer inputs (counted warning), default: longest")
   parser.add_argument("--max_decode_length", type=int, default=64,
@@ -87,7 +92,7 @@ def main(argv: list[str]) -> int:
         use_checkpoint_vocabulary=args.use_checkpoint_vocabulary,
         load_overrides=decode_flags.runtime_overrides(args), output_dir=args.output_dir,
         name=args.name, mode=args.mode, chunk_size=args.chunk_size, strict=args.strict,
-        decode_options=opts, overwrite=args.overwrite,
+        decode_options=opts, overwrite=args.overwrite, scheduler=args.scheduler,
         partitioner=decode_flags.partitioner(args, per_process=True))
   for w in caught:
     print(f"warning: {w.message}")

@@ -1,0 +1,88 @@
+"""`Model.generate` and `t5forge infer` on the engine (`engine.OfflineDecoder`): more texts
+than slots, of mixed input and output lengths, give exactly what the static padded
+batches (`predict.Predictor`) give for greedy decoding; a sampled text depends on its
+seed and place only, not on how many slots decode beside it."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from t5forge import testing as sh
+from t5forge.data.vocab import ByteVocabulary
+from t5forge.decoding import text_ids
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def model():
+  # Its rows end at many different steps (`eos_prone`).
+  vocab = ByteVocabulary()
+  return sh.eos_prone("t5_1_1.tiny", vocab_size=vocab.vocab_size, vocabulary=vocab, seed=2)
+
+
+def _texts(count: int, seed: int = 0) -> list[list[int]]:
+  rng = np.random.default_rng(seed)
+  return [rng.integers(5, 250, int(rng.integers(3, 90))).tolist() for _ in range(count)]
+
+
+def test_generate_greedy_equals_static_batches_and_sampling_ignores_slots(model):
+  texts = _texts(40)
+  got = model.generate(texts, batch_size=8, max_decode_length=32)
+  # The static path, one padded batch per 8 texts.
+  arr, _ = model._encode_texts(texts, 512)
+  tokens, _ = model.predict(arr, 32)
+  want = [model.vocabulary.decode(text_ids(t, model.model.stop_ids)) for t in tokens.tolist()]
+  assert got == want
+  lengths = (tokens != 0).sum(1)
+  assert len(set(lengths.tolist())) > 5, lengths  # rows end at many steps: slots are reused mid-way
+
+  a = model.generate(texts, batch_size=8, max_decode_length=32, method="sample", seed=3)
+  b = model.generate(texts, batch_size=4, max_decode_length=32, method="sample", seed=3)
+  c = model.generate(texts, batch_size=8, max_decode_length=32, method="sample", seed=4)
+  assert a == b and a != c
+  # n samples per text, all returned best last, agree with the single best.
+  many = model.generate(texts[:6], batch_size=4, max_decode_length=32, method="sample",
+                        seed=3, num_decodes=3, return_all_decodes=True)
+  best = model.generate(texts[:6], batch_size=4, max_decode_length=32, method="sample",
+                        seed=3, num_decodes=3)
+  assert [m[-1] for m in many] == best and all(len(m) == 3 for m in many)
+
+
+def _infer(ckpt, src, out, *args):
+  r = subprocess.run([sys.executable, "-m", "t5forge", "infer", "--checkpoint", str(ckpt),
+                      "--input", str(src), "--output_dir", str(out), "--batch_size", "4",
+                      "--max_decode_length", "24", *args],
+                     capture_output=True, text=True, cwd=ROOT, timeout=600)
+  return r
+
+
+@pytest.mark.slow
+def test_infer_cli_continuous_equals_static_and_sampling_is_recorded(model, tmp_path):
+  ckpt = tmp_path / "ckpt"
+  model.save(str(ckpt))
+  rng = np.random.default_rng(1)
+  letters = np.array(list("abcdefghijklmnopqrstuvwxyz "))
+  src = tmp_path / "mixed.txt"
+  src.write_text("".join("".join(rng.choice(letters, int(rng.integers(3, 90)))).strip() + "x\n"
+                         for _ in range(30)))
+  rows = {}
+  for scheduler in ("continuous", "static"):
+    r = _infer(ckpt, src, tmp_path / scheduler, "--mode", "predict_with_aux", "--scheduler",
+               scheduler)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows[scheduler] = [json.loads(l) for l in open(tmp_path / scheduler / "mixed-0.jsonl")]
+  cont, static = rows["continuous"], rows["static"]
+  assert [x["prediction_tokens"] for x in cont] == [x["prediction_tokens"] for x in static]
+  assert [x["prediction"] for x in cont] == [x["prediction"] for x in static]
+  np.testing.assert_allclose([x["aux"]["scores"] for x in cont],
+                             [x["aux"]["scores"] for x in static], atol=1e-4)
+  assert len({len(x["prediction_tokens"]) for x in cont}) > 3  # mixed output lengths
+  # Sampled rows differ between the two: output of one is never resumed by the other.
+  out = tmp_path / "sampled"
+  r = _infer(ckpt, src, out, "--method", "sample", "--seed", "2", "--scheduler", "static")
+  assert r.returncode == 0, r.stderr[-2000:]
+  r = _infer(ckpt, src, out, "--method", "sample", "--seed", "2")
+  assert r.returncode != 0 and "scheduler" in r.stderr.strip().splitlines()[-1], r.stderr
