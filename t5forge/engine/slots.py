@@ -3,7 +3,7 @@ functions that act on them.
 
     slots = Slots(model, params, num_slots=16, decode_length=128, input_buckets=(64, 256),
                   encode_sizes=(1, 4, 16), steps=4)
-    slots.warmup()                      # compiles insert (per size x bucket) and step
+    slots.warmup()                      # compiles (and times) insert per size x bucket, and step
     slots.insert(rows, at=[3, 7])       # encode 2 prompts into slots 3 and 7
     out = slots.step()                  # `steps` decode steps for every slot
 
@@ -27,6 +27,7 @@ vocabulary.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, NamedTuple
 
 import jax
@@ -157,6 +158,9 @@ class Slots:
     self._step = jax.jit(self._step_fn, donate_argnums=(1,),
                          out_shardings=(shardings, self.partitioner.replicated()))
     self.state = None
+    # {input bucket: {row count: seconds of one insert call}}, timed by `warmup`.
+    self.insert_seconds: dict[int, dict[int, float]] = {}
+    self._plans: dict[tuple[int, int], tuple[int, ...]] = {}
 
   # -- layout -------------------------------------------------------------------------------
   def _new_cache(self, params, tokens):
@@ -283,16 +287,50 @@ class Slots:
 
   # -- host API -------------------------------------------------------------------------------
   def insert(self, rows: list[InsertRow], at: list[int]) -> None:
-    """Encodes `rows` into the slots `at` (one call per input bucket, each padded to the
-    smallest compiled row count that holds it)."""
+    """Encodes `rows` into the slots `at`: per input bucket, the compiled calls of
+    `insert_plan`."""
     by_bucket: dict[int, list[tuple[InsertRow, int]]] = {}
     for r, slot in zip(rows, at):
       by_bucket.setdefault(self.input_bucket(len(r.ids)), []).append((r, slot))
     for width, group in sorted(by_bucket.items()):
-      while group:
-        size = next((n for n in self.encode_sizes if n >= len(group)), self.encode_sizes[-1])
+      for size in self.insert_plan(width, len(group)):
         part, group = group[:size], group[size:]
         self._insert_call(width, size, part)
+
+  def insert_plan(self, width: int, n: int) -> tuple[int, ...]:
+    """The compiled row counts of the insert calls that encode n rows of input bucket
+    `width` (the last call may hold padding rows).
+
+    With `warmup`'s timings: the cover of n by compiled sizes whose calls took the least
+    time in all. Where encoding costs per row (a CPU), 13 rows are 8 + 4 + 1 rather than
+    16 with 3 padding rows; where a call costs about the same whatever its rows (an
+    accelerator), they stay one call of 16. Without timings (warmup skipped, or several
+    processes, which must all run the same calls): the smallest size that holds the rows,
+    the largest while more are left.
+    """
+    key = (width, n)
+    if key in self._plans:
+      return self._plans[key]
+    cost = self.insert_seconds.get(width)
+    if not cost or n > self.num_slots:
+      plan, left = [], n
+      while left > 0:
+        size = next((s for s in self.encode_sizes if s >= left), self.encode_sizes[-1])
+        plan.append(size)
+        left -= size
+      return tuple(plan)
+    # best[m]: (seconds, sizes) of the cheapest calls that hold m rows; each call also
+    # counts a hundredth of the largest one, so that near ties (timing noise) go to
+    # fewer calls.
+    extra = 0.01 * cost[self.encode_sizes[-1]]
+    best: list[tuple[float, tuple[int, ...]]] = [(0.0, ())]
+    for m in range(1, n + 1):
+      best.append(min(((cost[s] + extra + best[max(0, m - s)][0],
+                        (s,) + best[max(0, m - s)][1]) for s in self.encode_sizes),
+                      key=lambda x: x[0]))
+    # Largest call first: padding rows, if any, sit in the last one.
+    self._plans[key] = plan = tuple(sorted(best[n][1], reverse=True))
+    return plan
 
   def _insert_call(self, width: int, size: int, part) -> None:
     s = self.num_slots
@@ -331,8 +369,9 @@ class Slots:
                     f"{self.input_buckets[-1]}")
 
   def warmup(self) -> int:
-    """Compiles insert for every (row count, input bucket) and step, on a fresh state;
-    -> the number of functions compiled."""
+    """Compiles insert for every (row count, input bucket) and step, on a fresh state,
+    then times each insert (the faster of two more calls: `insert_seconds`, read by
+    `insert_plan`); -> the number of functions compiled."""
     self.reset()
     count = 0
     for width in self.input_buckets:
@@ -340,6 +379,22 @@ class Slots:
         self._insert_call(width, size, [])
         count += 1
     self.step()
+    if jax.process_count() == 1:  # every process must choose the same calls
+      self._plans.clear()
+      for width in self.input_buckets:
+        took = {}
+        for size in self.encode_sizes:
+          runs = []
+          for _ in range(2):  # the faster of two: a busy host only ever adds time
+            jax.block_until_ready(self.state)
+            start = time.perf_counter()
+            self._insert_call(width, size, [])
+            jax.block_until_ready(self.state)
+            runs.append(time.perf_counter() - start)
+          took[size] = min(runs)
+        # A call holds fewer rows as padded, so it costs at most what any larger one does.
+        self.insert_seconds[width] = {
+            size: min(t for n, t in took.items() if n >= size) for size in self.encode_sizes}
     self.reset()
     return count + 1
 
