@@ -79,7 +79,10 @@ def _parser() -> argparse.ArgumentParser:
   b = p.add_argument_group("batching (docs/serving.md says what each trades)")
   b.add_argument("--max_batch_size", type=int, default=16, help="rows per model call at most")
   b.add_argument("--max_wait_ms", type=float, default=10.0,
-                 help="how long the oldest waiting request waits for others to batch with")
+                 help="static: how long the oldest waiting request waits for others to "
+                 "batch with; continuous: how long the loop after rows ended may wait for "
+                 "their clients' next requests (at most a quarter of a step, and only while "
+                 "clients come back that soon)")
   b.add_argument("--batch_buckets", default=None,
                  help="compiled batch sizes (default 1,4,16,... up to --max_batch_size)")
   b.add_argument("--length_buckets", "--input_buckets", dest="length_buckets",
@@ -265,7 +268,8 @@ def _engine(args, gen, buckets, *, exported_dir: bool, metrics):
   engine_lib.check_fits(slots, flags="--slots, --decode_buckets or --length_buckets")
   engine = engine_lib.Engine(slots, max_queue=args.max_queue,
                              max_queue_wait_s=args.max_queue_wait_s,
-                             encode_budget=args.encode_budget, metrics=metrics)
+                             encode_budget=args.encode_budget,
+                             max_wait_ms=args.max_wait_ms, metrics=metrics)
   metrics.watch_compiles(engine)
   return engine
 

@@ -14,9 +14,18 @@ every slot); hand each row its new tokens; finish rows that generated a stop id,
 `max_new_tokens`, asked to stop (`on_tokens` returned True: a stop string) or were
 cancelled, and free their slots for the next loop. A request that arrives while others
 decode waits at most one step for its slot, not for their whole batch.
+
+Closed-loop clients (each sends its next request when its last one is answered) would
+come back just after the next step started, and their slots would sit empty for that
+whole step. When recent rows did arrive that soon after rows ended, the loop that follows
+rows ending waits a little (`max_wait_ms`, at most a quarter of a step) for as many rows
+as ended before it encodes and steps, if the slot time it expects to save is more than
+the wait can cost every slot; an open loop or `generate` (no row arrives that soon) never
+waits.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 import time
@@ -107,17 +116,25 @@ class Engine(QueueWorker):
     max_queue: rows that may wait; more is QueueFull.
     max_queue_wait_s: a row waiting longer fails with QueueTimeout (None: no limit).
     encode_budget: rows encoded per loop while others decode (default half the slots).
+    max_wait_ms: how long the loop after rows ended may wait for their clients' next rows
+      (at most a quarter of the last step; only while clients come back that soon).
     metrics: a `t5forge.serve.metrics.Metrics`-like object, or None.
   """
 
   def __init__(self, slots: Slots, *, max_queue: int = 256,
                max_queue_wait_s: float | None = None, encode_budget: int | None = None,
-               metrics=None, on_ready: Callable | None = None):
+               max_wait_ms: float = 30.0, metrics=None, on_ready: Callable | None = None):
     self.slots = slots
     self._running: dict[int, Row] = {}  # slot -> row
     self._release: set[int] = set()  # slots freed on the host, still active on the device
     self._deadline: float | None = None  # shutdown: fail what still runs after this
     self.compiles_at_ready = 0
+    self.max_wait = max_wait_ms / 1000.0
+    self._step_s = 0.0  # the last step call's seconds
+    self._ended_at = collections.deque(maxlen=4)  # when the last steps that ended rows did
+    self._ended = 0  # rows the last step ended, whose clients may be sending their next
+    # Moving share of admitted rows that arrived within the wait after rows ended.
+    self._returning = 0.0
     super().__init__(name="t5forge-engine", max_queue=max_queue, metrics=metrics,
                      on_ready=on_ready)
     self.max_queue_wait_s = max_queue_wait_s
@@ -203,6 +220,7 @@ class Engine(QueueWorker):
         if self._closing:
           return None, []
         self._cond.wait()
+      self._wait_for_returns()
       now = time.monotonic()
       dropped = [(r, Cancelled(), "queued") for r in self._drop_cancelled()]
       keep = []
@@ -225,11 +243,39 @@ class Engine(QueueWorker):
       budget = len(free) if not self._running else min(len(free), self.encode_budget)
       keep.sort(key=lambda r: (r.priority, r.enqueued))
       admitted, self._waiting = keep[:budget], keep[budget:]
+      wait = self._wait_s()
       for r, slot in zip(admitted, free):
         self._running[slot] = r
         self._release.discard(slot)
+        back = any(0.0 <= r.enqueued - t <= wait for t in self._ended_at)
+        self._returning += 0.1 * (back - self._returning)
       self._gauges()
       return [(r, s) for r, s in zip(admitted, free)], dropped
+
+  def _wait_s(self) -> float:
+    """How long a loop may wait for returning clients: `max_wait`, at most a quarter of
+    the last step (where steps are short, so is the time a slot would sit empty)."""
+    return min(self.max_wait, 0.25 * self._step_s) if self._step_s else self.max_wait
+
+  def _wait_for_returns(self) -> None:
+    """(Lock held.) Right after a step ended rows, waits until as many rows wait as
+    ended (or as slots are free), or the wait is over, when recent rows came back that
+    soon (closed-loop clients): a row that arrives just after the next step started
+    leaves its slot empty for that whole step. Waits only if the expected saving (the
+    share of rows that arrive within the wait x rows ended x a step) is more than the
+    wait x every slot."""
+    expect, self._ended = self._ended, 0
+    wait = self._wait_s()
+    if not self._ended_at or (self._returning * expect * self._step_s
+                              <= wait * self.slots.num_slots):
+      return
+    until = self._ended_at[-1] + wait
+    while not self._closing and self._deadline is None:
+      free = self.slots.num_slots - len(self._running)
+      left = until - time.monotonic()
+      if len(self._waiting) >= min(free, expect) or left <= 0:
+        return
+      self._cond.wait(left)
 
   def _insert(self, admitted) -> None:
     start = time.monotonic()
@@ -272,6 +318,7 @@ class Engine(QueueWorker):
         r.done(e)
       return
     now = time.monotonic()
+    self._step_s = now - start
     m = self.metrics
     if m is not None:
       m.step_seconds.observe(now - start)
@@ -322,6 +369,10 @@ class Engine(QueueWorker):
       if isinstance(result, Cancelled) and m is not None:
         m.cancelled.labels("running").inc()
       r.done(result)
+    answered = sum(1 for _, _, result in finished if isinstance(result, RowOutput))
+    if answered:  # the answers are out: their clients' next rows may follow
+      self._ended_at.append(time.monotonic())
+      self._ended = answered
 
   def _is_stop(self, token: int) -> bool:
     stops = self.slots.stop_ids
