@@ -592,9 +592,20 @@ def _parse(argv):
   p.add_argument("--rounds", type=int, default=None,
                  help="with --schedulers: pairs of server runs, alternated (default 2; 1 with "
                  "--quick)")
+  p.add_argument("--scenarios", default=None,
+                 help="with --schedulers: which to run, comma-separated, of mixed, open "
+                 "(needs mixed: its rate comes from it), uniform, rss (default all)")
   args = p.parse_args(argv)
   if args.rounds is not None and (not args.schedulers or args.rounds < 1):
     p.error("--rounds takes a positive count, with --schedulers")
+  if args.scenarios is not None:
+    from bench.serve_loads import SCENARIOS
+    chosen = tuple(x for x in args.scenarios.split(",") if x)
+    if not args.schedulers or not chosen or any(x not in SCENARIOS for x in chosen) \
+        or ("open" in chosen and "mixed" not in chosen):
+      p.error(f"--scenarios takes some of {','.join(SCENARIOS)} (open needs mixed), with "
+              "--schedulers")
+    args.scenarios = chosen
   return args
 
 
@@ -606,6 +617,8 @@ def main(argv=None) -> int:
     plan = serve_loads.QUICK if args.quick else serve_loads.FULL
     if args.rounds:
       plan = dataclasses.replace(plan, rounds=args.rounds)
+    if args.scenarios:
+      plan = dataclasses.replace(plan, scenarios=args.scenarios)
   else:
     plan = QUICK if args.quick else FULL
   name = "serve_schedulers" if args.schedulers else "serve"

@@ -24,6 +24,7 @@ from bench.workers import REPO_ROOT, log
 from t5forge import testing
 
 SCHEDULERS = ("static", "continuous")
+SCENARIOS = ("mixed", "open", "uniform", "rss")
 TARGETS = {"mixed_tokens_per_s": 1.5, "open_ttft_p50": 0.4, "open_ttft_p99": 0.5,
            "uniform_tokens_per_s": 0.95, "uniform_vs_offline_b16": 0.8, "rss_growth": 1.05}
 KEEP_ALIVE_S = 2.0  # reuse an idle connection at most this long (uvicorn closes at 5 s)
@@ -49,6 +50,7 @@ class Plan:
   rss_requests: tuple[int, int] = (100, 2000)  # served by the continuous server, in all
   prompts: int = 32
   seed: int = 0  # arrivals and lengths of the open loop
+  scenarios: tuple[str, ...] = SCENARIOS  # what each session measures (--scenarios)
   health_timeout_s: float = 900.0
   # Both servers: only 128-token inputs; decode buckets 8 (a batch of short rows only), 64
   # (the uniform scenario) and 128 (the longest), so the static path never decodes a batch
@@ -196,7 +198,7 @@ def session(path: str, plan: Plan, scheduler: str, round_: int, prompts: list[st
           + f", errors {row['error_count']}")
       return row
 
-    if rss:  # first, so that the counts are the requests this process has served
+    if rss and "rss" in plan.scenarios:  # first: the counts are the requests it served
       out["rss"], loads = [], []
       for total in plan.rss_requests:
         log(f"  RSS: mixed lengths, concurrency {plan.mixed_concurrency}, up to {total} "
@@ -208,24 +210,30 @@ def session(path: str, plan: Plan, scheduler: str, round_: int, prompts: list[st
         log(f"    after {served} requests: VmRSS {out['rss'][-1]['VmRSS'] / 1024:.1f} MiB")
       out["rss_errors"] = sum(r["error_count"] for r in loads)
       out["rss_loads"] = loads
-    measured("mixed", lambda: serve.drive(port, model_id, prompts, plan.mixed_concurrency,
-                                          plan.mixed_requests, mixed))
-    if shared.get("rate") is None:
-      if scheduler != "static":
-        raise AssertionError("the open loop's rate comes from a static session run before")
-      shared["rate"] = plan.open_load * out["mixed"]["requests_per_s"]
-      log(f"  open-loop rate: {plan.open_load} x {out['mixed']['requests_per_s']:.2f} = "
-          f"{shared['rate']:.2f} requests/s")
-    log(f"  open loop: {plan.open_requests} streamed requests, Poisson at "
-        f"{shared['rate']:.2f}/s")
-    measured("open", lambda: open_loop(port, model_id, prompts, shared["rate"], plan))
-    measured("uniform", lambda: serve.drive(port, model_id, prompts, plan.uniform_concurrency,
-                                            plan.uniform_requests, plan.new_tokens))
+    if "mixed" in plan.scenarios:
+      measured("mixed", lambda: serve.drive(port, model_id, prompts, plan.mixed_concurrency,
+                                            plan.mixed_requests, mixed))
+    if "open" in plan.scenarios:
+      if shared.get("rate") is None:
+        if scheduler != "static" or "mixed" not in out:
+          raise AssertionError("the open loop's rate comes from a static session's mixed "
+                               "scenario run before")
+        shared["rate"] = plan.open_load * out["mixed"]["requests_per_s"]
+        log(f"  open-loop rate: {plan.open_load} x {out['mixed']['requests_per_s']:.2f} = "
+            f"{shared['rate']:.2f} requests/s")
+      log(f"  open loop: {plan.open_requests} streamed requests, Poisson at "
+          f"{shared['rate']:.2f}/s")
+      measured("open", lambda: open_loop(port, model_id, prompts, shared["rate"], plan))
+    if "uniform" in plan.scenarios:
+      measured("uniform", lambda: serve.drive(port, model_id, prompts,
+                                              plan.uniform_concurrency, plan.uniform_requests,
+                                              plan.new_tokens))
     out["compiles_since_ready"] = (gauge(server.url, "t5forge_compiles_since_ready")
                                    if scheduler == "continuous" else None)
   out["exit_code"] = server.proc.returncode
   out["error_count"] = (out["warmup_errors"] + out.get("rss_errors", 0)
-                        + sum(out[k]["error_count"] for k in ("mixed", "open", "uniform")))
+                        + sum(out[k]["error_count"] for k in ("mixed", "open", "uniform")
+                              if k in out))
   return out
 
 
@@ -265,7 +273,7 @@ def run(plan: Plan, seed: int, server_args: list[str]) -> dict:
                             rss=i == last_continuous))
     offline_point()
     sessions[-1]["offline_adjacent_s"] = offline_s[-2:]
-  report["open_rate_per_s"] = shared["rate"]
+  report["open_rate_per_s"] = shared.get("rate")
   report["offline_b16"] = {"times_s": offline_s, "median_s": statistics.median(offline_s),
                            "tokens_per_s": plan.max_batch_size * plan.new_tokens
                            / statistics.median(offline_s)}
@@ -297,14 +305,35 @@ def rows(report: dict) -> list[dict]:
 
   hist = lambda key, q: lambda s: (s.get(key) or {}).get(q)
   short, long_ = plan["short_tokens"], plan["long_tokens"]
+  chosen = plan.get("scenarios", SCENARIOS)
   m = f"1 mixed {short}/{long_} new, c={plan['mixed_concurrency']}"
+  if "mixed" in chosen:
+    _mixed_rows(row, hist, m)
+  if "open" in chosen:
+    _open_rows(row, hist, f"2 open loop {report['open_rate_per_s']:.2f} req/s, streamed")
+  if "uniform" in chosen:
+    _uniform_rows(row, report, out)
+  if "rss" in chosen:
+    rss = next(s["rss"] for s in sessions if "rss" in s)
+    v, goal = rss[-1]["VmRSS"] / rss[0]["VmRSS"], TARGETS["rss_growth"]
+    out.append({"row": f"4 continuous VmRSS MiB after {rss[0]['served']} -> "
+                       f"{rss[-1]['served']} requests", "static": None,
+                "continuous": f"{rss[0]['VmRSS'] / 1024:.1f} -> {rss[-1]['VmRSS'] / 1024:.1f}",
+                "ratio": v, "fmt": ".1f", "goal": f"<= {goal}", "met": v <= goal})
+  row("errors (all requests)", lambda s: s["error_count"], fmt="d")
+  return out
+
+
+def _mixed_rows(row, hist, m: str) -> None:
   row(f"{m}: output tok/s", lambda s: s["mixed"]["tokens_per_s"], TARGETS["mixed_tokens_per_s"])
   row(f"{m}: requests/s", lambda s: s["mixed"]["requests_per_s"], fmt=".2f")
   row(f"{m}: p50 latency s", lambda s: s["mixed"]["p50_s"], fmt=".3f")
   row(f"{m}: rows per model call (mean)", lambda s: hist("batch", "mean")(s["mixed"]),
       fmt=".1f")
   row(f"{m}: engine step s (mean)", lambda s: hist("step", "mean")(s["mixed"]), fmt=".4f")
-  o = f"2 open loop {report['open_rate_per_s']:.2f} req/s, streamed"
+
+
+def _open_rows(row, hist, o: str) -> None:
   row(f"{o}: TTFT p50 s", lambda s: s["open"]["first_token_p50_s"], TARGETS["open_ttft_p50"],
       ".3f", higher=False)
   row(f"{o}: TTFT p99 s", lambda s: s["open"]["first_token_p99_s"], TARGETS["open_ttft_p99"],
@@ -313,6 +342,10 @@ def rows(report: dict) -> list[dict]:
   row(f"{o}: queue s mean (server)", lambda s: hist("queue", "mean")(s["open"]), fmt=".3f")
   row(f"{o}: TTFT p50 s (server, engine only)", lambda s: hist("ttft", "p50")(s["open"]),
       fmt=".3f")
+
+
+def _uniform_rows(row, report: dict, out: list) -> None:
+  plan, sessions = report["plan"], report["sessions"]
   u = f"3 uniform {plan['new_tokens']} new, c={plan['uniform_concurrency']}"
   row(f"{u}: tok/s", lambda s: s["uniform"]["tokens_per_s"], TARGETS["uniform_tokens_per_s"])
   ratios = [s["uniform"]["tokens_per_s"] * statistics.fmean(s["offline_adjacent_s"])
@@ -323,14 +356,6 @@ def rows(report: dict) -> list[dict]:
   out.append({"row": f"{u}: vs offline batch-16 generate ({off:.1f} tok/s)", "static": None,
               "continuous": _median(sessions, "continuous", lambda s: s["uniform"]["tokens_per_s"]),
               "ratio": v, "fmt": ".1f", "goal": f">= {goal}", "met": v >= goal})
-  rss = next(s["rss"] for s in sessions if "rss" in s)
-  v, goal = rss[-1]["VmRSS"] / rss[0]["VmRSS"], TARGETS["rss_growth"]
-  out.append({"row": f"4 continuous VmRSS MiB after {rss[0]['served']} -> {rss[-1]['served']} "
-                     "requests", "static": None,
-              "continuous": f"{rss[0]['VmRSS'] / 1024:.1f} -> {rss[-1]['VmRSS'] / 1024:.1f}",
-              "ratio": v, "fmt": ".1f", "goal": f"<= {goal}", "met": v <= goal})
-  row("errors (all requests)", lambda s: s["error_count"], fmt="d")
-  return out
 
 
 # -- output -------------------------------------------------------------------------------
@@ -360,9 +385,12 @@ def render(report: dict) -> str:
   lines += table._table(["scenario / metric", "static", "continuous", "ratio", "target",
                          "pass"], body)
   lines += ["", "sessions (in order):"]
+  get = lambda s, k, key: (s.get(k) or {}).get(key)
   body = [[s["scheduler"], str(s["round"] + 1), f"{s['ready_s']:.0f}",
-           f"{s['mixed']['tokens_per_s']:.1f}", serve._fmt(s["open"]["first_token_p50_s"]),
-           serve._fmt(s["open"]["first_token_p99_s"]), f"{s['uniform']['tokens_per_s']:.1f}",
+           _cell(get(s, "mixed", "tokens_per_s"), ".1f"),
+           serve._fmt(get(s, "open", "first_token_p50_s")),
+           serve._fmt(get(s, "open", "first_token_p99_s")),
+           _cell(get(s, "uniform", "tokens_per_s"), ".1f"),
            " / ".join(f"{t:.3f}" for t in s["offline_adjacent_s"]),
            _cell(s["compiles_since_ready"], "d"), str(s["error_count"]), str(s["exit_code"])]
           for s in report["sessions"]]
@@ -370,7 +398,7 @@ def render(report: dict) -> str:
                          "TTFT p99", "uniform tok/s", "offline b16 s before / after",
                          "compiles after ready", "errors", "exit"], body)
   short = sum(s[k]["short_completions"] for s in report["sessions"]
-              for k in ("mixed", "open", "uniform"))
+              for k in ("mixed", "open", "uniform") if k in s)
   if short:
     lines.append(f"{short} completions ended before their max_tokens (EOS); tokens/s counts "
                  "usage.completion_tokens")
