@@ -22,10 +22,12 @@ import os
 from typing import Any
 
 import jax
+import numpy as np
 
 from t5forge import convert, data, decoding, files, multihost, opener, provenance
 from t5forge.convert import native, paths
 from t5forge.data import vocab_io
+from t5forge.engine import offline
 from t5forge.errors import UserError
 from t5forge.predict import DecodeOptions, Predictor
 from t5forge.sharding import Partitioner
@@ -113,6 +115,8 @@ class InferenceEvaluator:
           use_cached=dataset_cfg.use_cached)
     self.predictor = Predictor(model, partitioner=self.partitioner,
                                param_shardings=param_shardings)
+    self.batch_size = int(dataset_cfg.batch_size)
+    self._engines: dict[tuple[int, int], Any] = {}
     self._writers = {}
     self.metric_writer = metric_writer
 
@@ -120,6 +124,18 @@ class InferenceEvaluator:
   def eval_tasks(self) -> list[str]:
     """The tasks evaluated (those with the split and metric_fns), as SeqIO's Evaluator."""
     return list(self.datasets)
+
+  def _engine(self, params, input_length: int, decode_length: int):
+    """The engine for these lengths, kept across tasks and evaluations (the trainer's
+    periodic ones included: new parameters of the same shapes compile nothing)."""
+    key = (input_length, decode_length)
+    if key not in self._engines:
+      self._engines[key] = offline.OfflineDecoder(
+          self.model, params, num_slots=self.batch_size, decode_length=decode_length,
+          input_length=input_length, partitioner=self.partitioner)
+    dec = self._engines[key]
+    dec.slots.params = params
+    return dec
 
   def _vocab(self, task):
     return self.model.vocabulary or task.output_features["targets"].vocabulary
@@ -130,13 +146,18 @@ class InferenceEvaluator:
     preds, tokens_out, scores = {}, {}, {}
     want_predict, want_score = bool(task.predict_metric_fns), bool(task.score_metric_fns)
     limit = self.num_examples
+    # Greedy / sampled decodes of an encoder-decoder: every example's input is gathered,
+    # then all feed the engine's slots (as `t5forge infer`); else per padded batch.
+    continuous = want_predict and offline.supports(self.model, self.options)
+    inputs: dict[int, list[int]] = {}
+    shape = None
     for batch in ds:
       index = batch["example_index"]
       feats = {k: v for k, v in batch.items() if not k.startswith("example_")}
       if limit is not None and index[index >= 0].size and index[index >= 0].min() >= limit:
         break
       gbatch = self.partitioner.shard_batch(feats)
-      if want_predict:
+      if want_predict and not continuous:
         toks, _ = self.predictor.predict(params, gbatch, self.options)  # global rows
       if want_score:
         sc = self.predictor.score(params, gbatch)
@@ -144,15 +165,22 @@ class InferenceEvaluator:
       for r, i in enumerate(idx.tolist()):
         if i < 0 or (limit is not None and i >= limit):
           continue
-        if want_predict:
-          row = [int(t) for t in toks[r]]
-          ex = ds.examples[i]
-          # Several stop ids (ModelConfig.eos_token_ids): <end_of_turn> not in the text.
-          text = vocab.decode(decoding.text_ids(row, self.model.stop_ids))
-          preds[i] = task.postprocess(text, example=ex, is_target=False)
-          tokens_out[i] = row
+        if continuous:
+          ids = np.asarray(feats["encoder_input_tokens"][r])
+          inputs[i] = ids[:int(np.flatnonzero(ids)[-1]) + 1 if ids.any() else 0].tolist()
+          shape = (feats["encoder_input_tokens"].shape[1], feats["decoder_input_tokens"].shape[1])
+        elif want_predict:
+          tokens_out[i] = [int(t) for t in toks[r]]
         if want_score:
           scores[i] = float(sc[r])
+    if continuous and inputs:
+      order = sorted(inputs)
+      toks, _ = self._engine(params, *shape).decode([inputs[i] for i in order], self.options)
+      tokens_out.update({i: [int(t) for t in toks[k]] for k, i in enumerate(order)})
+    for i, row in tokens_out.items():
+      # Several stop ids (ModelConfig.eos_token_ids): <end_of_turn> not in the text.
+      text = vocab.decode(decoding.text_ids(row, self.model.stop_ids))
+      preds[i] = task.postprocess(text, example=ds.examples[i], is_target=False)
     n = ds.num_examples if limit is None else min(limit, ds.num_examples)
     metrics = {}
     targets = ds.targets[:n]
@@ -274,6 +302,9 @@ class InferenceEvaluator:
     for w in self._writers.values():
       w.close()
     self._writers = {}
+    for dec in self._engines.values():
+      dec.close()
+    self._engines = {}
 
 
 def _shown(scalars: dict[str, float]) -> str:

@@ -208,3 +208,38 @@ def test_trainers_partial_infer_eval_does_not_stand_for_the_split(model_dir, tmp
   assert r.returncode == 0 and "already evaluated" not in r.stdout, r.stdout
   assert "(6 examples)" in r.stdout
   assert read_jsonl(out / "fresh_tiny_en_es-metrics.jsonl")[-1]["num_examples"] == 6
+
+
+def test_eval_on_the_engine_equals_static_batches(model_dir, tmp_path, monkeypatch):
+  """Greedy evaluation feeds the engine's slots; its predictions and metrics are those
+  of the padded static batches."""
+  import jax
+  from t5forge import evaluate, models
+  from t5forge.convert import load_checkpoint
+  from t5forge.data import vocab_io
+  from t5forge.engine import offline
+  from t5forge.train.settings import DatasetConfig
+  monkeypatch.syspath_prepend(str(model_dir.parent / "user"))
+  ckpt = load_checkpoint(str(model_dir))
+  model = models.model_for(ckpt.config,
+                           vocabulary=vocab_io.from_spec(ckpt.extras.get("vocabulary")))
+  params = jax.device_put(ckpt.params)
+  cfg = DatasetConfig("fresh_tiny_en_es", {"inputs": 32, "targets": 12}, split="validation",
+                      batch_size=4, shuffle=False, pack=False, module="fresh_tasks")
+  got, calls = {}, []
+  decode = offline.OfflineDecoder.decode
+  monkeypatch.setattr(offline.OfflineDecoder, "decode",
+                      lambda self, *a: calls.append(1) or decode(self, *a))
+  for scheduler in ("continuous", "static"):
+    if scheduler == "static":
+      monkeypatch.setattr(offline, "supports", lambda *a: False)
+    out = tmp_path / scheduler
+    hook = evaluate.InferenceEvaluator(model=model, output_dir=str(out), dataset_cfg=cfg)
+    scalars = hook(params, 4)
+    hook.close()
+    assert bool(calls) == (scheduler == "continuous")
+    calls.clear()
+    got[scheduler] = (scalars, [(x["prediction"], x["prediction_tokens"])
+                                for x in read_jsonl(out / "fresh_tiny_en_es-4.jsonl")])
+  assert got["continuous"] == got["static"]
+  assert got["static"][0]["inference_eval/fresh_tiny_en_es/num_examples"] == 6

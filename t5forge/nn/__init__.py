@@ -42,8 +42,11 @@ def _boxed_shapes(config: ModelConfig) -> dict:
 
 
 def abstract_params(config: ModelConfig) -> dict:
-  """The parameter tree as ShapeDtypeStructs, without allocating any memory."""
-  return nn.meta.unbox(_boxed_shapes(config))
+  """The parameter tree as ShapeDtypeStructs, without allocating any memory. No sharding
+  constraint is applied: under a mesh's activation context (an evaluation inside
+  `Partitioner.activation_context`) a constraint on a shape would fail."""
+  return nn.meta.map_axis_meta(lambda x: x.unbox(apply_constraint=False),
+                               _boxed_shapes(config))
 
 
 def logical_axes(config: ModelConfig) -> dict:
