@@ -133,9 +133,7 @@ class InferenceEvaluator:
       self._engines[key] = offline.OfflineDecoder(
           self.model, params, num_slots=self.batch_size, decode_length=decode_length,
           input_length=input_length, partitioner=self.partitioner)
-    dec = self._engines[key]
-    dec.slots.params = params
-    return dec
+    return self._engines[key]
 
   def _vocab(self, task):
     return self.model.vocabulary or task.output_features["targets"].vocabulary
@@ -175,7 +173,8 @@ class InferenceEvaluator:
           scores[i] = float(sc[r])
     if continuous and inputs:
       order = sorted(inputs)
-      toks, _ = self._engine(params, *shape).decode([inputs[i] for i in order], self.options)
+      toks, _ = self._engine(params, *shape).decode([inputs[i] for i in order], self.options,
+                                                    params=params)
       tokens_out.update({i: [int(t) for t in toks[k]] for k, i in enumerate(order)})
     for i, row in tokens_out.items():
       # Several stop ids (ModelConfig.eos_token_ids): <end_of_turn> not in the text.

@@ -187,8 +187,9 @@ class Model:
     return arr, truncated
 
   def _engine(self, num_slots: int, decode_length: int, input_length: int):
-    """The engine for these sizes and the current parameters, kept for the next call."""
-    key = (num_slots, decode_length, input_length, id(self.params))
+    """The engine for these sizes, kept for the next call (`decode(params=...)` takes
+    the parameters a `train_step` or an assignment left)."""
+    key = (num_slots, decode_length, input_length)
     if self._offline is None or self._offline[0] != key:
       if self._offline is not None:
         self._offline[1].close()
@@ -228,7 +229,8 @@ class Model:
       # The slots hold the encoder's keys/values at the largest bucket: no wider than
       # the longest text needs.
       width = -(-max(len(r) for r in rows) // _LENGTH_BUCKET) * _LENGTH_BUCKET
-      tokens, _ = self._engine(batch_size, max_decode_length, width).decode(rows, opts)
+      engine = self._engine(batch_size, max_decode_length, width)
+      tokens, _ = engine.decode(rows, opts, params=self.params)
       chunks = [tokens]
     else:
       chunks = []

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -86,3 +87,25 @@ def test_infer_cli_continuous_equals_static_and_sampling_is_recorded(model, tmp_
   assert r.returncode == 0, r.stderr[-2000:]
   r = _infer(ckpt, src, out, "--method", "sample", "--seed", "2")
   assert r.returncode != 0 and "scheduler" in r.stderr.strip().splitlines()[-1], r.stderr
+
+
+def test_generate_follows_new_parameters_without_recompiling(model):
+  from t5forge.engine import compile_count
+  texts = _texts(6, seed=3)
+  old = model.params
+  place = lambda p: jax.device_put(p, model.param_shardings)  # as train_step leaves them
+  try:
+    model.params = place(old)
+    before = model.generate(texts, batch_size=4, max_decode_length=16)
+    model.params = place(jax.tree.map(lambda x: x * 1.5, old))
+    after = model.generate(texts, batch_size=4, max_decode_length=16)
+    arr, _ = model._encode_texts(texts, 512)
+    tokens, _ = model.predict(arr, 16)
+    assert after == [model.vocabulary.decode(t) for t in tokens.tolist()] != before
+    # Back to the first parameters: every shape is compiled already, in the same engine.
+    model.params = place(old)
+    compiles = compile_count()
+    assert model.generate(texts, batch_size=4, max_decode_length=16) == before
+    assert compile_count() == compiles
+  finally:
+    model.params = old

@@ -229,7 +229,7 @@ def test_eval_on_the_engine_equals_static_batches(model_dir, tmp_path, monkeypat
   got, calls = {}, []
   decode = offline.OfflineDecoder.decode
   monkeypatch.setattr(offline.OfflineDecoder, "decode",
-                      lambda self, *a: calls.append(1) or decode(self, *a))
+                      lambda self, *a, **kw: calls.append(1) or decode(self, *a, **kw))
   for scheduler in ("continuous", "static"):
     if scheduler == "static":
       monkeypatch.setattr(offline, "supports", lambda *a: False)

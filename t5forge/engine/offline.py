@@ -77,14 +77,18 @@ class OfflineDecoder:
     self.engine.start()
     self.engine.ready.wait()
 
-  def decode(self, inputs: list[list[int]], opts) -> tuple[np.ndarray, np.ndarray]:
+  def decode(self, inputs: list[list[int]], opts, *, params=None) -> tuple[np.ndarray, np.ndarray]:
     """Encoder inputs (each ending in EOS) -> (tokens [b, l] int32 with 0 after the stop
     id, scores [b]) as `Predictor.predict`; [b, n, l] and [b, n] sorted by increasing
     score (best last) with `opts.return_all_decodes`.
 
     Args:
       opts: `predict.DecodeOptions` with method 'greedy' or 'sample'.
+      params: parameters to decode with from now on (after a training step or for
+        another checkpoint); the same shapes and placement compile nothing new.
     """
+    if params is not None:
+      self.slots.params = params
     length = self.slots.decode_length
     n = opts.num_decodes
     new_tokens = min(opts.max_decode_steps or length, length)
