@@ -4,7 +4,7 @@ Everything goes through the library's public pieces, as the trainer and the Pyth
 use them: `t5forge.load` (the HF reader) for the shared weights,
 `models.EncoderDecoderModel` + `train.optim` + `train.state.create` +
 `train.step.make_train_step` under `jax.jit(..., donate_argnums=(0,))` for training, and
-`predict.Predictor` for decoding.
+`generation.Generator` for decoding.
 
 EOS in decoding: t5forge has no minimum-length option, and a benchmark must decode
 exactly `new_tokens` tokens on every side. `NoEosModel` reports eos_id -1, which no
@@ -27,7 +27,8 @@ import numpy as np
 import t5forge
 from bench import shapes
 from t5forge.models import EncoderDecoderModel
-from t5forge.predict import DecodeOptions, Predictor
+from t5forge.generation import Generator
+from t5forge.predict import DecodeOptions
 from t5forge.train import optim
 from t5forge.train.state import create as create_state
 from t5forge.train.step import make_train_step
@@ -70,7 +71,7 @@ class Backend:
   """Jobs of the `ours` worker."""
 
   def __init__(self):
-    self._decoders: dict[tuple, tuple] = {}  # (dir, dtype, int8) -> (params, predictor, config)
+    self._decoders: dict[tuple, tuple] = {}  # (dir, dtype, int8) -> (params, generator, config)
     self._last_tokens: dict[str, np.ndarray] = {}
 
   # -- information -------------------------------------------------------------------
@@ -161,7 +162,7 @@ class Backend:
           raise RuntimeError("t5forge has no int8 weight-only path (see op_capabilities)")
         overrides.update(ov)
       m = t5forge.load(model_dir, **overrides)
-      self._decoders[key] = (m.params, Predictor(NoEosModel(m.config)), m.config)
+      self._decoders[key] = (m.params, Generator(NoEosModel(m.config)), m.config)
     return self._decoders[key]
 
   def setup_decode(self, tag: str, model_dir: str, dtype: str, method: str, batch: int,
@@ -172,7 +173,7 @@ class Backend:
     Args:
       preset: a t5forge preset the loaded config must equal (see check_preset).
     """
-    params, predictor, config = self._decoder(model_dir, dtype, int8)
+    params, generator, config = self._decoder(model_dir, dtype, int8)
     if preset:
       check_preset(config, preset)
     tokens = shapes.random_tokens(seed, batch, input_length, config.vocab_size,
@@ -183,7 +184,7 @@ class Backend:
             else DecodeOptions(method="greedy"))
 
     def run():
-      out, _ = predictor.predict(params, feats, opts, max_decode_length=new_tokens)
+      out, _ = generator.predict(feats, opts, params=params, max_decode_length=new_tokens)
       if out.shape != (batch, new_tokens):
         raise AssertionError(f"decoded shape {out.shape}, expected {(batch, new_tokens)}")
       self._last_tokens[tag] = out

@@ -29,7 +29,8 @@ from t5forge.convert import native, paths
 from t5forge.data import vocab_io
 from t5forge.engine import offline
 from t5forge.errors import UserError
-from t5forge.predict import DecodeOptions, Predictor
+from t5forge.generation import Generator
+from t5forge.predict import DecodeOptions
 from t5forge.sharding import Partitioner
 
 
@@ -113,7 +114,7 @@ class InferenceEvaluator:
           task.name, lengths, per_process, split=dataset_cfg.split, model_kind=kind,
           shard_index=jax.process_index(), num_shards=jax.process_count(),
           use_cached=dataset_cfg.use_cached)
-    self.predictor = Predictor(model, partitioner=self.partitioner,
+    self.generator = Generator(model, partitioner=self.partitioner,
                                param_shardings=param_shardings)
     self.batch_size = int(dataset_cfg.batch_size)
     self._engines: dict[tuple[int, int], Any] = {}
@@ -156,9 +157,9 @@ class InferenceEvaluator:
         break
       gbatch = self.partitioner.shard_batch(feats)
       if want_predict and not continuous:
-        toks, _ = self.predictor.predict(params, gbatch, self.options)  # global rows
+        toks, _ = self.generator.predict(gbatch, self.options, params=params)  # global rows
       if want_score:
-        sc = self.predictor.score(params, gbatch)
+        sc = self.generator.score_batch(gbatch, params=params)
       idx = multihost.gather_rows(index)
       for r, i in enumerate(idx.tolist()):
         if i < 0 or (limit is not None and i >= limit):

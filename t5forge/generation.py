@@ -1,15 +1,23 @@
-"""Generation for serving: batched decoding with per-row options, resumable in chunks.
+"""The padded-batch decoder: batched decoding with per-row options, resumable in chunks,
+prediction on feature batches and scoring. The server's static batcher, the Python API,
+`t5forge infer`, eval and the benchmarks all decode through one `Generator` (the slot
+engine, `t5forge.engine`, is the continuous-batching path beside it).
 
     g = Generator(model, params)
     out = g.generate(Kind("sample"), inputs, decode_length=64, max_new_tokens=steps,
                      temperature=temps, topp=topps, seed=0, stream=True, on_chunk=send)
     out.tokens  # [b, n, l] new tokens
+    tokens, scores = g.predict(batch, DecodeOptions(method="beam", num_decodes=4))
+    log_likelihoods = g.score_batch(batch)   # [b]
 
 What changes compiled code is the `Kind` (method, num_decodes, topk, top_logprobs) and
 the shapes (batch size, input length, decode length); everything per row (temperature,
 top-p, max_new_tokens) and the seed are traced arrays, so requests of one Kind and shape
 share one compiled start function and one compiled advance function whatever their
-options. A streamed request runs the advance function once per `chunk_tokens` new
+options. `predict` takes `predict.DecodeOptions` (validated once, when they are made):
+the options that change shapes or code (method, num_decodes, topk, output length)
+select a compiled function, the others (temperature, topp, alpha, max_decode_steps,
+min_log_prob, seed) are traced, so changing them does not recompile. A streamed request runs the advance function once per `chunk_tokens` new
 tokens (one host round trip per chunk, not per token); the cache is donated between
 calls so XLA updates it in place.
 
@@ -28,7 +36,7 @@ import numpy as np
 
 from t5forge import decoding, multihost
 from t5forge.errors import UserError
-from t5forge.predict import METHODS, features_from_tokens
+from t5forge.predict import METHODS, DecodeOptions, features_from_tokens
 
 MAX_TOP_LOGPROBS = 5  # OpenAI's limit for `logprobs`
 # Bound on one whole-length advance call: the loop ends before it when every row is done.
@@ -107,25 +115,40 @@ def _per_row(x, name: str, b: int, dtype) -> np.ndarray:
 
 
 class Generator:
-  """Compiled generation and scoring for one model and its (placed) parameters.
+  """Compiled generation, prediction and scoring for one model, one compile cache.
 
   Args:
-    model: a `t5forge.models` model (`decode_setup` / `decode_step` / `score_batch`).
+    model: a `t5forge.models` model (`decode_setup` / `decode_step` / `score_batch` /
+      `predict_batch_with_aux`).
     params: its parameters, already placed (e.g. by the opener with the partitioner's
-      shardings).
+      shardings), or None when every `predict` / `score_batch` call passes its own (the
+      trainer's eval, a reassigned `Model.params`; same shapes compile nothing new).
     partitioner: optional `t5forge.sharding.Partitioner`; inputs are split over its data
       axes when the batch divides them (else replicated) and everything runs under its
       activation rules.
+    param_shardings: with a partitioner, the parameters' shardings
+      (`opener.Opened.param_shardings`): `predict` and `score_batch` are jitted with them
+      as explicit input shardings and replicated outputs.
     chunk_tokens: new tokens per compiled call when streaming.
   """
 
-  def __init__(self, model, params, *, partitioner=None, chunk_tokens: int = 8):
+  def __init__(self, model, params=None, *, partitioner=None, param_shardings=None,
+               chunk_tokens: int = 8):
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, (int, np.integer)) \
         or chunk_tokens < 1:
       raise UserError(f"chunk_tokens={chunk_tokens!r} must be an integer >= 1")
     self.model = model
     self.params = params
     self.partitioner = partitioner
+    # jit arguments of the feature-batch functions: the parameters as placed; a batch's
+    # sharding comes with its arrays (see _place).
+    self._predict_jit: dict = {}
+    self._score_jit: dict = {}
+    if partitioner is not None and param_shardings is not None:
+      self._predict_jit = {"in_shardings": (param_shardings, None, None, None),
+                           "out_shardings": partitioner.replicated()}
+      self._score_jit = {"in_shardings": (param_shardings, None),
+                         "out_shardings": partitioner.replicated()}
     self.chunk_tokens = int(chunk_tokens)
     self.eos_id = int(model.eos_id)
     # The ids that end a row: eos_id, or several (ModelConfig.eos_token_ids).
@@ -197,15 +220,21 @@ class Generator:
 
   # -- placement ----------------------------------------------------------------------------
   def _place(self, tree: dict) -> dict:
-    """Host arrays [b, ...] -> device arrays split over the data axes when b divides them."""
+    """Host arrays [b, ...] -> device arrays split over the data axes when b divides them,
+    else replicated (the Python API's odd batch sizes on a multi-device host). Arrays
+    already on devices (eval's sharded global batches) and None are kept as they are."""
     p = self.partitioner
-    if p is None:
-      return jax.tree.map(jnp.asarray, tree)
-    b = next(iter(tree.values())).shape[0]
-    split = b % p.num_data_shards == 0
-    shardings = {name: p.batch_sharding(np.ndim(x)) if split and np.ndim(x) else p.replicated()
-                 for name, x in tree.items()}
-    return p.place(tree, shardings)
+    out = {}
+    for name, x in tree.items():
+      if x is None or isinstance(x, jax.Array):
+        out[name] = x
+      elif p is None:
+        out[name] = jnp.asarray(x)
+      else:
+        x = np.asarray(x)
+        split = x.ndim and x.shape[0] % p.num_data_shards == 0
+        out[name] = p.place(x, p.batch_sharding(x.ndim) if split else p.replicated())
+    return out
 
   def _context(self):
     if self.partitioner is None:
@@ -327,10 +356,73 @@ class Generator:
     batch = features_from_tokens(xs, ys, encoder_decoder=self.is_encoder_decoder,
                                  input_length=body.shape[1], target_length=targets.shape[1],
                                  eos=self.eos_id, rows=len(xs))
+    return self.score_batch(batch)
+
+  # -- feature batches (SeqIO's model features) ---------------------------------------------
+  def _params(self, params):
+    params = self.params if params is None else params
+    if params is None:
+      raise ValueError("this Generator was made without parameters; pass params=")
+    return params
+
+  def score_batch(self, batch: dict, *, params=None) -> np.ndarray:
+    """Summed target log-likelihood per example [b] of a feature batch
+    (`predict.features_from_tokens`' keys, host or device arrays [b, ...])."""
     if "score" not in self._fns:
-      self._fns["score"] = jax.jit(self.model.score_batch)
+      self._fns["score"] = jax.jit(self.model.score_batch, **self._score_jit)
     with self._context():
-      return multihost.to_host(self._fns["score"](self.params, self._place(batch)))
+      return multihost.to_host(self._fns["score"](self._params(params), self._place(batch)))
+
+  def _predict_fn(self, opts: DecodeOptions, length: int):
+    key = ("predict", opts.method, opts.num_decodes, opts.topk, length,
+           opts.return_all_decodes)
+    if key not in self._fns:
+      model = self.model
+      decode_fn = decoding.beam_search if opts.method == "beam" else decoding.temperature_sample
+
+      def fn(params, batch, rng, traced):
+        if opts.method == "beam":
+          options = {"alpha": traced["alpha"], "max_decode_steps": traced["max_decode_steps"],
+                     "min_log_prob": traced["min_log_prob"]}
+        else:
+          options = {"temperature": traced["temperature"], "topk": opts.topk,
+                     "topp": traced["topp"], "max_decode_steps": traced["max_decode_steps"]}
+        return model.predict_batch_with_aux(
+            params, batch, rng, decoder_params=options, num_decodes=opts.num_decodes,
+            return_all_decodes=opts.return_all_decodes, max_decode_length=length,
+            decode_fn=decode_fn)
+
+      self._fns[key] = jax.jit(fn, **self._predict_jit)
+    return self._fns[key]
+
+  def predict(self, batch: dict, opts: DecodeOptions, *, params=None,
+              max_decode_length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Decodes a feature batch as T5X's `predict_batch_with_aux` does.
+
+    Args:
+      batch: model features [b, ...] (`predict.features_from_tokens`, or eval's batches).
+      opts: `predict.DecodeOptions`.
+      params: parameters for this call (default: the Generator's).
+      max_decode_length: output length l (default: the batch's decoder length).
+
+    Returns:
+      (tokens [b, l] or [b, n, l] with `opts.return_all_decodes`, scores [b] or [b, n])
+      as numpy, n sorted by increasing score (best last).
+    """
+    if not isinstance(opts, DecodeOptions):
+      raise TypeError(f"opts must be a predict.DecodeOptions, got {type(opts).__name__}")
+    length = max_decode_length or batch["decoder_input_tokens"].shape[1]
+    temperature = 0.0 if opts.method == "greedy" else opts.temperature
+    traced = {"temperature": jnp.float32(temperature), "topp": jnp.float32(opts.topp),
+              "alpha": jnp.float32(opts.alpha),
+              "max_decode_steps": jnp.int32(min(opts.max_decode_steps or length, length)),
+              # -inf: no live beam falls below it, so the stop never fires.
+              "min_log_prob": jnp.float32(-np.inf if opts.min_log_prob is None
+                                          else opts.min_log_prob)}
+    with self._context():
+      tokens, aux = self._predict_fn(opts, length)(self._params(params), self._place(batch),
+                                                   jax.random.key(opts.seed), traced)
+    return multihost.to_host(tokens), multihost.to_host(aux["scores"])
 
   def warmup(self, kinds, batch_sizes, input_lengths, decode_lengths) -> int:
     """Compiles generation for every combination of the given Kinds and shapes (a run of

@@ -40,7 +40,8 @@ from t5forge.data import vocab_io
 from t5forge.data.files import iter_lines
 from t5forge.errors import UserError
 from t5forge.engine import offline
-from t5forge.predict import DecodeOptions, Predictor, features_from_tokens, fit
+from t5forge.generation import Generator
+from t5forge.predict import DecodeOptions, features_from_tokens, fit
 from t5forge.sharding import Partitioner
 
 MODES = ("predict", "predict_with_aux", "score")
@@ -174,7 +175,7 @@ def infer(*, model, params, examples: list[Example], output_dir: str, name: str,
                     "drop --strict to truncate")
   partitioner = inference_partitioner(partitioner)
   partitioner.check_batch_size(batch_size)
-  predictor = Predictor(model, partitioner=partitioner, param_shardings=param_shardings)
+  generator = Generator(model, partitioner=partitioner, param_shardings=param_shardings)
   opts = decode_options or DecodeOptions()
   continuous = (scheduler == "continuous" and mode != "score"
                 and offline.supports(model, opts))
@@ -210,7 +211,7 @@ def infer(*, model, params, examples: list[Example], output_dir: str, name: str,
       else:
         lines = []
         for start in range(0, len(chunk), batch_size):
-          lines += _static_lines(model, params, predictor, partitioner,
+          lines += _static_lines(model, params, generator, partitioner,
                                  chunk[start:start + batch_size], mode=mode, opts=opts,
                                  input_length=input_length, target_length=target_length,
                                  batch_size=batch_size, eos=eos, vocab=vocab, stops=stops)
@@ -230,7 +231,7 @@ def infer(*, model, params, examples: list[Example], output_dir: str, name: str,
   return InferResult(base, len(examples), len(too_long), done_now, n_chunks)
 
 
-def _static_lines(model, params, predictor, partitioner, part: list[Example], *, mode: str,
+def _static_lines(model, params, generator, partitioner, part: list[Example], *, mode: str,
                   opts: DecodeOptions, input_length: int, target_length: int,
                   batch_size: int, eos: int, vocab, stops) -> list[dict]:
   """One padded batch of `part` (at most batch_size examples) -> its output lines."""
@@ -239,13 +240,14 @@ def _static_lines(model, params, predictor, partitioner, part: list[Example], *,
                                input_length=input_length, target_length=target_length,
                                eos=eos, rows=batch_size)
   # One process: the batch is split over all devices. Several: each process infers its
-  # own chunks on its own devices (the predictor places the rows), with no collective in
+  # own chunks on its own devices (the generator places the rows), with no collective in
   # the loop.
   gbatch = partitioner.shard_batch(batch) if jax.process_count() == 1 else batch
   if mode == "score":
-    scores = predictor.score(params, gbatch)
+    scores = generator.score_batch(gbatch, params=params)
     return [{"inputs": ex.pretokenized, "score": float(scores[r])} for r, ex in enumerate(part)]
-  tokens, scores = predictor.predict(params, gbatch, opts, max_decode_length=target_length)
+  tokens, scores = generator.predict(gbatch, opts, params=params,
+                                     max_decode_length=target_length)
   return _prediction_lines(part, tokens, scores, mode=mode, vocab=vocab, stops=stops)
 
 

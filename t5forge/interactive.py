@@ -31,7 +31,8 @@ from t5forge.engine import offline
 from t5forge.decoding import text_ids
 from t5forge.errors import UserError
 from t5forge.nn.config import ModelConfig
-from t5forge.predict import DecodeOptions, Predictor, features_from_tokens
+from t5forge.generation import Generator
+from t5forge.predict import DecodeOptions, features_from_tokens
 from t5forge.sharding import Partitioner
 
 # Text batches are padded to a multiple of this many tokens, so that a handful of
@@ -74,7 +75,7 @@ class Model:
     if param_shardings is None:  # init(), or parameters handed in: place them by the rules
       params, param_shardings = opener.place_params(self.partitioner, self.model, params)
     self.params, self.param_shardings = params, param_shardings
-    self.predictor = Predictor(self.model, partitioner=self.partitioner,
+    self.generator = Generator(self.model, partitioner=self.partitioner,
                                param_shardings=param_shardings)
     self._train = None  # (jitted step, state), made on the first train_step
     self._offline = None  # (key, engine.OfflineDecoder) of the last generate()
@@ -155,7 +156,8 @@ class Model:
                "decoder_input_tokens": np.zeros((arr.shape[0], max_decode_length), np.int32)}
     else:
       batch = {"decoder_input_tokens": arr}
-    return self.predictor.predict(self.params, batch, opts, max_decode_length=max_decode_length)
+    return self.generator.predict(batch, opts, params=self.params,
+                                  max_decode_length=max_decode_length)
 
   def _vocab(self):
     if self.vocabulary is None:
@@ -274,7 +276,7 @@ class Model:
     for start in range(0, len(inputs), batch_size):
       batch = self._text_batch(inputs[start:start + batch_size],
                                targets[start:start + batch_size], max_length)
-      out.append(self.predictor.score(self.params, batch))
+      out.append(self.generator.score_batch(batch, params=self.params))
     return np.concatenate(out) if out else np.zeros((0,), np.float32)
 
   def train_step(self, examples, *, learning_rate: float = 1e-3, optimizer=None,

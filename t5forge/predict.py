@@ -1,26 +1,19 @@
-"""Compiled prediction and scoring with decoding options given at call time.
+"""Decoding options, parsed and validated once, and the model features of token lists.
 
-`Predictor(model)` is what the Python API, `t5forge infer` and `t5forge eval` share:
+    opts = DecodeOptions.from_kwargs(beam_size=4)        # a UserError names a bad option
+    batch = features_from_tokens(inputs, targets, encoder_decoder=True, input_length=512,
+                                 target_length=64, eos=1, rows=8)
+    tokens, scores = generation.Generator(model).predict(batch, opts, params=params)
 
-    p = Predictor(model)
-    tokens, scores = p.predict(params, batch, DecodeOptions(method="beam", num_decodes=4))
-    log_likelihoods = p.score(params, batch)
-
-Options that change shapes or code (method, num_decodes, topk, output length) select a
-compiled function; the others (temperature, topp, alpha, max_decode_steps, min_log_prob,
-seed) are passed as arrays, so changing them does not recompile.
+`generation.Generator` decodes and scores the batches; `engine.OfflineDecoder` runs the
+same options on the slots.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from t5forge import decoding, multihost
 from t5forge.errors import UserError
 
 METHODS = ("greedy", "sample", "beam")
@@ -137,94 +130,3 @@ class DecodeOptions:
     if unknown:
       raise UserError(f"unknown decoding option(s) {unknown}; known: {sorted(fields)}")
     return cls(**{k: v for k, v in kw.items() if v is not None})
-
-
-class Predictor:
-  """Jitted predict / score functions for one model, compiled once per static setting.
-
-  With a partitioner and the parameters' shardings (`opener.Opened.param_shardings`) the
-  functions are jitted with those as explicit input shardings and replicated outputs,
-  and run under the partitioner's mesh and activation rules; a batch whose rows divide
-  the data axis is split over it, any other is replicated (the Python API's odd batch
-  sizes on a multi-device host).
-  """
-
-  def __init__(self, model, *, partitioner=None, param_shardings=None,
-               jit_kwargs: dict | None = None):
-    self.model = model
-    self.partitioner = partitioner
-    self._jit_kwargs = dict(jit_kwargs or {})
-    if partitioner is not None and param_shardings is not None:
-      # Params as placed; the batch's sharding comes with its arrays (see _place).
-      self._jit_kwargs.setdefault("in_shardings", (param_shardings, None, None, None))
-      self._jit_kwargs.setdefault("out_shardings", partitioner.replicated())
-      self._score_kwargs = {"in_shardings": (param_shardings, None),
-                            "out_shardings": partitioner.replicated()}
-    else:
-      self._score_kwargs = dict(jit_kwargs or {})
-    self._fns: dict[tuple, Any] = {}
-
-  def _place(self, batch: dict) -> dict:
-    """Host rows -> arrays on the mesh: split on 'batch' when the rows divide the data
-    axis, else replicated. Arrays already on devices (eval's sharded batches) are kept."""
-    part = self.partitioner
-    if part is None:
-      return batch
-    out = {}
-    for k, x in batch.items():
-      if x is None or isinstance(x, jax.Array):
-        out[k] = x
-        continue
-      x = np.asarray(x)
-      sharding = (part.batch_sharding(x.ndim) if x.shape[0] % part.num_data_shards == 0
-                  else part.replicated())
-      out[k] = jax.device_put(x, sharding)
-    return out
-
-  def _context(self):
-    return (self.partitioner.activation_context() if self.partitioner is not None
-            else contextlib.nullcontext())
-
-  def _predict_fn(self, opts: DecodeOptions, length: int):
-    key = (opts.method, opts.num_decodes, opts.topk, length, opts.return_all_decodes)
-    if key not in self._fns:
-      model = self.model
-      decode_fn = decoding.beam_search if opts.method == "beam" else decoding.temperature_sample
-
-      def fn(params, batch, rng, traced):
-        if opts.method == "beam":
-          params_ = {"alpha": traced["alpha"], "max_decode_steps": traced["max_decode_steps"],
-                     "min_log_prob": traced["min_log_prob"]}
-        else:
-          params_ = {"temperature": traced["temperature"], "topk": opts.topk,
-                     "topp": traced["topp"], "max_decode_steps": traced["max_decode_steps"]}
-        return model.predict_batch_with_aux(
-            params, batch, rng, decoder_params=params_, num_decodes=opts.num_decodes,
-            return_all_decodes=opts.return_all_decodes, max_decode_length=length,
-            decode_fn=decode_fn)
-
-      self._fns[key] = jax.jit(fn, **self._jit_kwargs)
-    return self._fns[key]
-
-  def predict(self, params, batch: dict, opts: DecodeOptions, *,
-              max_decode_length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """-> (tokens [b, l] or [b, n, l], scores [b] or [b, n]) as numpy."""
-    length = max_decode_length or batch["decoder_input_tokens"].shape[1]
-    temperature = 0.0 if opts.method == "greedy" else opts.temperature
-    traced = {"temperature": jnp.float32(temperature), "topp": jnp.float32(opts.topp),
-              "alpha": jnp.float32(opts.alpha),
-              "max_decode_steps": jnp.int32(min(opts.max_decode_steps or length, length)),
-              # -inf: no live beam falls below it, so the stop never fires.
-              "min_log_prob": jnp.float32(-np.inf if opts.min_log_prob is None
-                                          else opts.min_log_prob)}
-    with self._context():
-      tokens, aux = self._predict_fn(opts, length)(params, self._place(batch),
-                                                   jax.random.key(opts.seed), traced)
-    return multihost.to_host(tokens), multihost.to_host(aux["scores"])
-
-  def score(self, params, batch: dict) -> np.ndarray:
-    """Summed target log-likelihood per example [b]."""
-    if "score" not in self._fns:
-      self._fns["score"] = jax.jit(self.model.score_batch, **self._score_kwargs)
-    with self._context():
-      return multihost.to_host(self._fns["score"](params, self._place(batch)))

@@ -1,5 +1,5 @@
 """Beam search options as T5X has them: max_decode_steps, min_log_prob,
-an EOS forced inside the prompt, and the predictor / CLI wiring of those options.
+an EOS forced inside the prompt, and the Generator.predict / CLI wiring of those options.
 
 The logits come from fixed tables (as T5X's decoding_test.py does), so every expected
 sequence and score below follows by hand from the table.
@@ -116,7 +116,7 @@ def test_a_forced_eos_in_the_prompt_ends_the_beam():
 
 
 @pytest.mark.slow
-def test_predictor_honours_max_decode_steps_for_every_method():
+def test_predict_honours_max_decode_steps_for_every_method():
   m = t5forge.init("t5_1_1.tiny", vocab_size=64)
   enc = np.random.default_rng(0).integers(2, 64, size=(3, 8)).astype(np.int32)
   full, _ = m.predict(enc, max_decode_length=8, method="beam", num_decodes=2)
@@ -132,7 +132,7 @@ def test_predictor_honours_max_decode_steps_for_every_method():
 
 
 @pytest.mark.slow
-def test_predictor_honours_max_decode_steps_for_decoder_only_prompts():
+def test_predict_honours_max_decode_steps_for_decoder_only_prompts():
   """Decoder-only prompts are right-aligned and prefilled: the steps count after them."""
   m = t5forge.init("decoder_only.tiny", vocab_size=64)
   prompts = np.array([[0, 5, 6, 7, 0, 0], [0, 9, 0, 0, 0, 0]], np.int32)
@@ -141,7 +141,7 @@ def test_predictor_honours_max_decode_steps_for_decoder_only_prompts():
     assert not tokens[:, 3:].any() and tokens[:, 0].all(), kw
 
 
-def test_min_log_prob_through_the_predictor_and_the_cli_flag():
+def test_min_log_prob_through_predict_and_the_cli_flag():
   m = t5forge.init("t5_1_1.tiny", vocab_size=64)
   enc = np.random.default_rng(1).integers(2, 64, size=(2, 8)).astype(np.int32)
   # Every token of a random 64-word model costs about log(64) > 1 nat: one step, then stop.

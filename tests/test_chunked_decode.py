@@ -1,5 +1,6 @@
-"""`t5forge.generation.Generator` (what the server decodes with) against the one-call
-Predictor (`interactive.Model.predict` / `score`): greedy, per-row options, sampling,
+"""`t5forge.generation.Generator.generate` (the server's chunked decode) against the
+one-call feature-batch path (`interactive.Model.predict` / `score`: `Generator.predict`,
+T5X's `predict_batch_with_aux` over `decoding`'s whole loops): greedy, per-row options, sampling,
 beam search, top log-probs and scoring, each decoded whole and in resumed chunks, on
 tiny random-init encoder-decoder and decoder-only models whose EOS is boosted so that
 rows end at different steps."""
@@ -77,7 +78,7 @@ def _greedy(g, x, stream, on_chunk=None, max_new=LENGTH, kind=Kind()):
                     on_chunk=on_chunk)
 
 
-def test_greedy_chunked_and_whole_equal_predictor(setup):
+def test_greedy_chunked_and_whole_equal_predict(setup):
   m, g = setup
   x = _inputs(m, seed=2)
   ref_tokens, ref_scores = m.predict(x, max_decode_length=LENGTH)
@@ -128,7 +129,7 @@ def test_per_row_options_equal_rows_alone(setup):
         np.testing.assert_allclose(out.scores[r, 0], scores[0], rtol=1e-6, atol=1e-6)
 
 
-def test_sampling_reproducible_chunked_equal_whole_and_predictor(setup):
+def test_sampling_reproducible_chunked_equal_whole_and_predict(setup):
   m, g = setup
   x = _inputs(m, seed=5)
   kind = Kind("sample", num_decodes=2)
@@ -144,14 +145,14 @@ def test_sampling_reproducible_chunked_equal_whole_and_predictor(setup):
     np.testing.assert_array_equal(out.lengths, a.lengths)
   assert not np.array_equal(other.tokens, a.tokens)
   assert np.all(np.diff(a.scores, axis=1) >= 0)  # best last
-  # The same keys as the Predictor's loop: its samples for the same seed.
+  # The same keys as the one-call loop: its samples for the same seed.
   tokens, scores = m.predict(x, max_decode_length=LENGTH, method="sample", num_decodes=2,
                              temperature=1.5, seed=7, return_all_decodes=True)
   np.testing.assert_array_equal(a.tokens, tokens)
   np.testing.assert_allclose(a.scores, scores, rtol=1e-6, atol=1e-6)
 
 
-def test_beam_equals_predictor(setup):
+def test_beam_equals_predict(setup):
   m, g = setup
   x = _inputs(m, seed=6)
   calls = []

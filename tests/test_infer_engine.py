@@ -1,6 +1,6 @@
 """`Model.generate` and `t5forge infer` on the engine (`engine.OfflineDecoder`): more texts
 than slots, of mixed input and output lengths, give exactly what the static padded
-batches (`predict.Predictor`) give for greedy decoding; a sampled text depends on its
+batches (`generation.Generator.predict`) give for greedy decoding; a sampled text depends on its
 seed and place only, not on how many slots decode beside it."""
 import json
 import subprocess
@@ -106,6 +106,44 @@ def test_generate_follows_new_parameters_without_recompiling(model):
     model.params = place(old)
     compiles = compile_count()
     assert model.generate(texts, batch_size=4, max_decode_length=16) == before
+    assert compile_count() == compiles
+  finally:
+    model.params = old
+
+
+def test_predict_and_score_take_new_parameters_without_recompiling(model):
+  """`Model.predict` / `score` pass the current parameters to the one Generator per call:
+  new parameters give what a Generator built for them gives, and going back to the first
+  ones compiles nothing."""
+  from t5forge.engine import compile_count
+  from t5forge.generation import Generator
+  from t5forge.predict import DecodeOptions
+  texts = _texts(4, seed=5)
+  arr, _ = model._encode_texts(texts, 512)
+  targets = [t[:5] for t in texts]
+  old = model.params
+  place = lambda p: jax.device_put(p, model.param_shardings)  # as train_step leaves them
+  try:
+    model.params = place(old)
+    beams = model.predict(arr, 12, method="beam", num_decodes=2)
+    scores = model.score(texts, targets)
+    new = place(jax.tree.map(lambda x: x * 1.5, old))
+    model.params = new
+    fresh = Generator(model.model, new)  # its own compile cache, the new parameters built in
+    batch = model._text_batch(texts, targets, None)
+    want = fresh.score_batch(batch)
+    np.testing.assert_allclose(model.score(texts, targets), want, rtol=1e-6)
+    assert not np.allclose(want, scores)
+    got = model.predict(arr, 12, method="beam", num_decodes=2)
+    want = fresh.predict({"encoder_input_tokens": arr,
+                          "decoder_input_tokens": np.zeros((len(arr), 12), np.int32)},
+                         DecodeOptions(method="beam", num_decodes=2))
+    np.testing.assert_array_equal(got[0], want[0])
+    model.params = place(old)
+    compiles = compile_count()
+    again = model.predict(arr, 12, method="beam", num_decodes=2)
+    np.testing.assert_array_equal(again[0], beams[0])
+    np.testing.assert_allclose(model.score(texts, targets), scores, rtol=1e-6)
     assert compile_count() == compiles
   finally:
     model.params = old

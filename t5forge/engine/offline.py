@@ -7,8 +7,8 @@ batches that run as long as their longest row.
     dec.close()
 
 Greedy and sampled decodes of encoder-decoder models run here (`supports`); beam search
-and decoder-only models stay on `predict.Predictor`. Results have `Predictor.predict`'s
-shapes. Row r's sample j draws with key `fold_in(fold_in(key(seed), r * n + j), position)`:
+and decoder-only models stay on `generation.Generator.predict`, whose results' shapes
+these are. Row r's sample j draws with key `fold_in(fold_in(key(seed), r * n + j), position)`:
 its text depends on the seed and its place in the input list, never on the number of
 slots or on which rows share a step.
 """
@@ -79,7 +79,7 @@ class OfflineDecoder:
 
   def decode(self, inputs: list[list[int]], opts, *, params=None) -> tuple[np.ndarray, np.ndarray]:
     """Encoder inputs (each ending in EOS) -> (tokens [b, l] int32 with 0 after the stop
-    id, scores [b]) as `Predictor.predict`; [b, n, l] and [b, n] sorted by increasing
+    id, scores [b]) as `Generator.predict`; [b, n, l] and [b, n] sorted by increasing
     score (best last) with `opts.return_all_decodes`.
 
     Args:
