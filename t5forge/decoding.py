@@ -566,13 +566,17 @@ class _BeamState(NamedTuple):
   finished_seqs: jax.Array  # [b, k, l + 1] int32
   finished_flags: jax.Array  # [b, k] bool: slot holds a real finished sequence
   cache: PyTree  # rows f = b * k
+  # With log_probs: per position of live_seqs / finished_seqs, the token's log-prob
+  # [b, k, l + 1] and the top alternatives' ids and log-probs [b, k, l + 1, K]; else None.
+  live_tok: Any = None
+  finished_tok: Any = None
 
 
 def beam_search(inputs: jax.Array, cache: PyTree, tokens_to_logits: TokensToLogits,
                 eos_id: int, num_decodes: int = 4, alpha=0.6, max_decode_len: int | None = None,
                 decode_rng: jax.Array | None = None, initial_index: jax.Array | None = None,
                 max_decode_steps=None, min_log_prob=None,
-                cache_offset: int = 0) -> tuple[jax.Array, jax.Array]:
+                cache_offset: int = 0, log_probs: int | None = None):
   """T5X's beam search: k live and k finished beams, top-2k candidates per step.
 
   A finished sequence (ending in EOS at position `length`, counted from 1 and including
@@ -611,16 +615,26 @@ def beam_search(inputs: jax.Array, cache: PyTree, tokens_to_logits: TokensToLogi
       is below this (T5X). What it returns is as at any stop: its finished beams if
       it has any, else its live ones.
     cache_offset: static; the batch axis of the cache leaves.
+    log_probs: static; None, or K >= 0: also carry, with each beam, every token's
+      log-prob under the model's log-softmax (0 for forced prompt tokens, which add
+      nothing to a beam's log-prob) and the K most likely tokens per position.
 
   Returns:
     decodes [b, k, max_decode_len] int32 and scores [b, k] float32, increasing (best
     last). Slots without a finished sequence have scores <= NEG_INF / penalty; an
     example with no finished sequence at all returns its live beams and their
-    unpenalised log-probs (T5X).
+    unpenalised log-probs (T5X). With log_probs, a third value: a dict of
+    `token_log_probs` [b, k, max_decode_len] float32 (0 after the end; their sum is the
+    beam's log-prob, its score times the brevity penalty), `top_ids` int32 and
+    `top_log_probs` float32 [b, k, max_decode_len, K].
   """
   del decode_rng
   inputs = _check_inputs(inputs)
   k = _check_num_decodes(num_decodes, "the beam size")
+  if log_probs is not None and (isinstance(log_probs, bool) or
+                                not isinstance(log_probs, (int, np.integer)) or log_probs < 0):
+    raise UserError(f"log_probs={log_probs!r} must be None or an integer >= 0 (top tokens "
+                    "per position)")
   b, l = inputs.shape
   if max_decode_len is not None:
     if isinstance(max_decode_len, bool) or not isinstance(max_decode_len, (int, np.integer)) \
@@ -671,11 +685,11 @@ def beam_search(inputs: jax.Array, cache: PyTree, tokens_to_logits: TokensToLogi
         sequences=s.live_seqs[:, :, :l].reshape(f, l), cur_token=cur_token.reshape(f, 1),
         cache=s.cache))
     v = logits.shape[-1]
+    token_lp = jax.nn.log_softmax(logits.astype(jnp.float32)).reshape(b, k, v)
     # [b, k, v]: log-prob of every one-token extension of every live beam.
-    log_probs = (jax.nn.log_softmax(logits.astype(jnp.float32)).reshape(b, k, v)
-                 + s.live_log_probs[:, :, None])
+    ext_lp = token_lp + s.live_log_probs[:, :, None]
     # Keep 2k candidates so that k survive even if k of them end with EOS: [b, 2k].
-    cand_lp, flat_idx = lax.top_k(log_probs.reshape(b, k * v), 2 * k)
+    cand_lp, flat_idx = lax.top_k(ext_lp.reshape(b, k * v), 2 * k)
     cand_beam, cand_tok = flat_idx // v, (flat_idx % v).astype(jnp.int32)
 
     nxt = jnp.minimum(s.cur_index + 1, l)  # [b]
@@ -690,8 +704,19 @@ def beam_search(inputs: jax.Array, cache: PyTree, tokens_to_logits: TokensToLogi
     cand_tok = jnp.where(forced, prompt_token, cand_tok)
     cand_lp = jnp.where(forced, prompt_lp, cand_lp)
     # [b, 2k, l + 1]
+    at_nxt = positions == nxt[:, None, None]  # [b, 1, l + 1]
     cand_seqs = _take_beams(s.live_seqs, cand_beam)
-    cand_seqs = jnp.where(positions == nxt[:, None, None], cand_tok[:, :, None], cand_seqs)
+    cand_seqs = jnp.where(at_nxt, cand_tok[:, :, None], cand_seqs)
+    if tracked:
+      # The new token's own log-prob (0 when forced) and its parent's top alternatives.
+      own = jnp.where(forced, 0.0,
+                      jnp.take_along_axis(token_lp.reshape(b, k * v), flat_idx, axis=1))
+      top_lp, top_id = lax.top_k(token_lp, top)  # [b, k, K]
+      lp_seq, id_seq, tlp_seq = (_take_beams(x, cand_beam) for x in s.live_tok)
+      cand_tok_arrays = (
+          jnp.where(at_nxt, own[:, :, None], lp_seq),
+          jnp.where(at_nxt[..., None], _take_beams(top_id, cand_beam)[:, :, None], id_seq),
+          jnp.where(at_nxt[..., None], _take_beams(top_lp, cand_beam)[:, :, None], tlp_seq))
     # A forced EOS ends its beam too, as in T5X.
     cand_ended = is_eos(cand_tok, eos_id)
 
@@ -712,6 +737,17 @@ def beam_search(inputs: jax.Array, cache: PyTree, tokens_to_logits: TokensToLogi
 
     # Examples that are done keep their beams while the others continue.
     keep = lambda new, old: jnp.where(active.reshape((b,) + (1,) * (old.ndim - 1)), new, old)
+    live_tok = finished_tok = None
+    if tracked:
+      ended_mask = positions <= nxt[:, None, None]
+      done_arrays = (jnp.where(ended_mask, cand_tok_arrays[0], 0.0),
+                     jnp.where(ended_mask[..., None], cand_tok_arrays[1], 0),
+                     jnp.where(ended_mask[..., None], cand_tok_arrays[2], 0.0))
+      live_tok = tuple(keep(_take_beams(x, live_pick), old)
+                       for x, old in zip(cand_tok_arrays, s.live_tok))
+      finished_tok = tuple(
+          keep(_take_beams(jnp.concatenate([old, x], axis=1), fin_pick), old)
+          for x, old in zip(done_arrays, s.finished_tok))
     return _BeamState(
         cur_index=jnp.where(active, nxt, s.cur_index),
         live_log_probs=keep(jnp.take_along_axis(live_lp, live_pick, axis=1), s.live_log_probs),
@@ -721,7 +757,14 @@ def beam_search(inputs: jax.Array, cache: PyTree, tokens_to_logits: TokensToLogi
         finished_seqs=keep(_take_beams(all_seqs, fin_pick), s.finished_seqs),
         finished_flags=keep(jnp.take_along_axis(all_flags, fin_pick, axis=1),
                             s.finished_flags),
-        cache=new_cache)
+        cache=new_cache, live_tok=live_tok, finished_tok=finished_tok)
+
+  tracked = log_probs is not None
+  top = int(log_probs or 0)
+  zeros_tok = None
+  if tracked:
+    zeros_tok = (jnp.zeros((b, k, l + 1), jnp.float32), jnp.zeros((b, k, l + 1, top), jnp.int32),
+                 jnp.zeros((b, k, l + 1, top), jnp.float32))
 
   init = _BeamState(
       cur_index=index0,
@@ -732,10 +775,17 @@ def beam_search(inputs: jax.Array, cache: PyTree, tokens_to_logits: TokensToLogi
       finished_seqs=jnp.zeros((b, k, l + 1), jnp.int32),
       finished_flags=jnp.zeros((b, k), bool),
       cache=_cache_map(lambda x: flat_batch_beam_expand(x, k, cache_offset), cache,
-                       cache_offset))
+                       cache_offset),
+      live_tok=zeros_tok, finished_tok=zeros_tok)
   final = lax.while_loop(lambda s: jnp.any(~done(s)), body, init)
 
   any_finished = jnp.any(final.finished_flags, axis=1)  # [b]
-  seqs = jnp.where(any_finished[:, None, None], final.finished_seqs, final.live_seqs)
-  scores = jnp.where(any_finished[:, None], final.finished_scores, final.live_log_probs)
-  return seqs[:, :, 1:], scores
+  pick = lambda fin, live: jnp.where(
+      any_finished.reshape((b,) + (1,) * (fin.ndim - 1)), fin, live)
+  seqs = pick(final.finished_seqs, final.live_seqs)
+  scores = pick(final.finished_scores, final.live_log_probs)
+  if not tracked:
+    return seqs[:, :, 1:], scores
+  lp, ids, tlp = (pick(fin, live)[:, :, 1:] for fin, live in
+                  zip(final.finished_tok, final.live_tok))
+  return seqs[:, :, 1:], scores, {"token_log_probs": lp, "top_ids": ids, "top_log_probs": tlp}

@@ -74,9 +74,6 @@ class Kind:
       raise UserError(f"topk={self.topk} must be >= 0 and applies to method 'sample' only")
     if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
       raise UserError(f"top_logprobs={self.top_logprobs} must be in 0..{MAX_TOP_LOGPROBS}")
-    if self.top_logprobs and self.method == "beam":
-      raise UserError("top_logprobs is not available with beam search; use method 'greedy' "
-                      "or 'sample', or top_logprobs=0")
 
 
 @dataclasses.dataclass
@@ -89,7 +86,7 @@ class Generated:
       search's are divided by its brevity penalty (T5X).
     token_logprobs: [b, n, l] float32 log-prob of each new token as scored (sampled
       tokens: under the distribution they were drawn from, T5X's rescale_log_probs;
-      greedy: the model's log-softmax), 0 after the end; None for beam search.
+      greedy and beams: the model's log-softmax), 0 after the end.
     top_ids: [b, n, l, k] int32 the k most likely tokens per position (model's
       log-softmax), or None when kind.top_logprobs is 0.
     top_logprobs: [b, n, l, k] float32 their log-probs, or None.
@@ -202,18 +199,20 @@ class Generator:
     return fns
 
   def _beam_fn(self, kind: Kind, length: int):
-    """beam(params, inputs [b, i], max_new [b], alpha []) -> (decodes [b, n, l], scores [b, n])."""
+    """beam(params, inputs [b, i], max_new [b], alpha [], min_log_prob [b]) -> (decodes
+    [b, n, l], aux: scores [b, n], token_log_probs [b, n, l], top_ids / top_log_probs
+    [b, n, l, k])."""
     key = ("beam", kind, length)
     if key not in self._fns:
       model = self.model
 
-      def beam(params, inputs, max_new, alpha):
-        decodes, aux = model.predict_batch_with_aux(
+      def beam(params, inputs, max_new, alpha, min_log_prob):
+        return model.predict_batch_with_aux(
             params, self._batch(inputs), None,
-            decoder_params={"alpha": alpha, "max_decode_steps": max_new},
+            decoder_params={"alpha": alpha, "max_decode_steps": max_new,
+                            "min_log_prob": min_log_prob, "log_probs": kind.top_logprobs},
             num_decodes=kind.num_decodes, return_all_decodes=True, max_decode_length=length,
             decode_fn=decoding.beam_search)
-        return decodes, aux["scores"]
 
       self._fns[key] = jax.jit(beam)
     return self._fns[key]
@@ -244,7 +243,7 @@ class Generator:
   # -- API ----------------------------------------------------------------------------------
   def generate(self, kind: Kind, inputs: np.ndarray, *, decode_length: int,
                max_new_tokens, temperature, topp, alpha: float = 0.6, seed: int = 0,
-               stream: bool = False,
+               min_log_prob=None, stream: bool = False,
                on_chunk: Callable[[np.ndarray, np.ndarray, np.ndarray], Any] | None = None
                ) -> Generated:
     """Decodes new tokens for each row of `inputs`.
@@ -258,6 +257,8 @@ class Generator:
       temperature: [b] float >= 0 (method 'sample'; rows <= 1e-4 decode greedily).
       topp: [b] float in [0, 1] (method 'sample' with topk 0; 0 or 1: off).
       alpha: beam search's brevity-penalty exponent.
+      min_log_prob: beam search only: None, or [b] float (or one for all rows): stop a
+        row once its best live beam's log-prob falls below it (T5X); -inf never stops.
       seed: sampling seed (`jax.random.key(seed)`).
       stream: decode in chunks of `chunk_tokens` new tokens per compiled call, calling
         on_chunk(tokens [b, n, l] so far, lengths [b, n], finished [b, n]) after each;
@@ -294,9 +295,15 @@ class Generator:
     if kind.topk and np.any((topp > 0) & (topp < 1)):
       raise UserError(f"topk={kind.topk} and topp {topp.tolist()} are both set; use one")
 
+    if min_log_prob is not None and kind.method != "beam":
+      raise UserError(f"min_log_prob applies to beam search only, not method {kind.method!r}")
+    min_lp = _per_row(-np.inf if min_log_prob is None else min_log_prob, "min_log_prob", b,
+                      np.float32)
+    if np.any(np.isnan(min_lp)):
+      raise UserError(f"min_log_prob must be a number or -inf, got {min_lp.tolist()}")
     with self._context():
       if kind.method == "beam":
-        return self._beam(kind, inputs, length, max_new, alpha, on_chunk)
+        return self._beam(kind, inputs, length, max_new, alpha, min_lp, on_chunk)
       start, advance = self._sample_fns(kind, length)
       placed = self._place({"inputs": inputs, "max_new": max_new, "temperature": temperature,
                             "topp": topp})
@@ -319,20 +326,27 @@ class Generator:
                      top_logprobs=out.get("top_logprobs"), lengths=out["lengths"],
                      finished=out["finished"])
 
-  def _beam(self, kind, inputs, length, max_new, alpha, on_chunk) -> Generated:
-    placed = self._place({"inputs": inputs, "max_new": max_new})
-    decodes, scores = self._beam_fn(kind, length)(self.params, placed["inputs"],
-                                                  placed["max_new"], jnp.float32(alpha))
-    tokens, scores = multihost.to_host(decodes), multihost.to_host(scores)
+  def _beam(self, kind, inputs, length, max_new, alpha, min_log_prob, on_chunk) -> Generated:
+    placed = self._place({"inputs": inputs, "max_new": max_new, "min_log_prob": min_log_prob})
+    decodes, aux = self._beam_fn(kind, length)(self.params, placed["inputs"],
+                                               placed["max_new"], jnp.float32(alpha),
+                                               placed["min_log_prob"])
+    tokens = multihost.to_host(decodes)
+    aux = {name: multihost.to_host(x) for name, x in aux.items()}
     is_eos = np.isin(tokens, self.stop_ids)
     finished = is_eos.any(axis=-1)
-    # A beam without EOS ran to its step limit.
+    # A beam without EOS ran to its step limit, or stopped at min_log_prob: its length is
+    # through its last new token.
+    written = np.where((tokens != 0).any(-1), length - np.argmax((tokens != 0)[..., ::-1], -1), 0)
     lengths = np.where(finished, is_eos.argmax(axis=-1) + 1,
-                       np.minimum(max_new, length)[:, None]).astype(np.int32)
+                       np.minimum(np.minimum(max_new, length)[:, None], written)).astype(np.int32)
     if on_chunk is not None:
       on_chunk(tokens, lengths, finished)
-    return Generated(tokens=tokens, scores=scores, token_logprobs=None, top_ids=None,
-                     top_logprobs=None, lengths=lengths, finished=finished)
+    k = kind.top_logprobs
+    return Generated(tokens=tokens, scores=aux["scores"], token_logprobs=aux["token_log_probs"],
+                     top_ids=aux["top_ids"] if k else None,
+                     top_logprobs=aux["top_log_probs"] if k else None, lengths=lengths,
+                     finished=finished)
 
   def score(self, inputs: np.ndarray, targets: np.ndarray) -> np.ndarray:
     """Summed log-likelihood of each target given its input.

@@ -118,18 +118,24 @@ class BaseModel:
         (then decoder_params are its complete options).
 
     Returns:
-      (tokens [b, l] or [b, n, l] of new tokens only, {"scores": [b] or [b, n]}).
+      (tokens [b, l] or [b, n, l] of new tokens only, {"scores": [b] or [b, n]}); a
+      decode function that returns per-token values too (beam search with `log_probs`)
+      adds them to the dict, cut to the same l positions ([b, (n,) l, ...]).
     """
     length = max_decode_length or batch["decoder_input_tokens"].shape[1]
     setup = self.decode_setup(params, batch, length)
-    decodes, scores = self._decode(setup.inputs, setup.cache,
-                                   self.decode_step(params, setup.cache_length), rng,
-                                   num_decodes=num_decodes, decoder_params=decoder_params,
-                                   decode_fn=decode_fn, initial_index=setup.initial_index)
-    decodes = decodes[..., setup.offset:setup.offset + length]  # output j is input j + 1
+    decodes, scores, *extra = self._decode(
+        setup.inputs, setup.cache, self.decode_step(params, setup.cache_length), rng,
+        num_decodes=num_decodes, decoder_params=decoder_params, decode_fn=decode_fn,
+        initial_index=setup.initial_index)
+    window = slice(setup.offset, setup.offset + length)  # output j is input j + 1
+    aux = {"scores": scores}
+    for name, x in (extra[0] if extra else {}).items():
+      aux[name] = x[:, :, window]  # [b, n, l, ...]
+    aux_decodes = decodes[..., window]
     if return_all_decodes:
-      return decodes, {"scores": scores}
-    return decodes[:, -1], {"scores": scores[:, -1]}
+      return aux_decodes, aux
+    return aux_decodes[:, -1], {name: x[:, -1] for name, x in aux.items()}
 
   def _decode(self, inputs, cache, tokens_to_logits, rng, *, num_decodes, decoder_params,
               decode_fn=None, initial_index=None):

@@ -164,3 +164,75 @@ def test_bad_beam_options_give_one_line(kw, text):
   with pytest.raises(UserError, match=text) as info:
     DecodeOptions.from_kwargs(**kw)
   assert "\n" not in str(info.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["t5_1_1.tiny", "decoder_only.tiny"])
+def test_beam_token_log_probs_equal_teacher_forcing_and_sum_to_the_score(name):
+  """`Generator.generate` with beams carries each token's log-prob with its beam: they
+  equal the teacher-forced log-softmax of `Model.logits` on the beam's own tokens, the
+  top alternatives are that distribution's best, and their sum is the beam's log-prob
+  (its score times T5X's brevity penalty)."""
+  from t5forge.generation import Generator, Kind
+  m = t5forge.init(name, vocab_size=64, seed=4)
+  g = Generator(m.model, m.params)
+  rng = np.random.default_rng(2)
+  b, k, length = 3, 3, 6
+  x = np.zeros((b, 7), np.int32)
+  for r in range(b):
+    n = 3 + r
+    if m.config.is_encoder_decoder:
+      x[r, :n], x[r, n] = rng.integers(2, 64, n), EOS
+    else:
+      x[r, 1:1 + n] = rng.integers(2, 64, n)
+  for alpha in (0.0, 0.6):
+    out = g.generate(Kind("beam", num_decodes=k, top_logprobs=2), x, decode_length=length,
+                     max_new_tokens=np.full((b,), length, np.int32), temperature=0.0,
+                     topp=0.0, alpha=alpha)
+    for r in range(b):
+      for j in range(k):
+        toks, n = out.tokens[r, j], int(out.lengths[r, j])
+        if m.config.is_encoder_decoder:
+          dec_in = np.concatenate([[0], toks[:-1]])[None].astype(np.int32)
+          logits = m.logits(x[r:r + 1], dec_in)[0]  # [l, v]
+          positions = np.arange(length)
+        else:
+          prompt = [int(t) for t in x[r] if t]
+          seq = np.array([[0] + prompt + toks.tolist()], np.int32)
+          logits = m.logits(seq[:, :-1])[0]  # causal over the prompt too, as it decodes
+          positions = len(prompt) + np.arange(length)
+        lsm = _lsm(logits)[positions]  # [l, v]: the distribution each new token came from
+        want = lsm[np.arange(length), toks] * (np.arange(length) < n)
+        np.testing.assert_allclose(out.token_logprobs[r, j], want, atol=2e-5)
+        best = np.argsort(-lsm[:n], axis=-1)[:, :2]
+        np.testing.assert_array_equal(out.top_ids[r, j, :n], best)
+        np.testing.assert_allclose(out.top_logprobs[r, j, :n],
+                                   np.take_along_axis(lsm[:n], best, -1), atol=2e-5)
+        total = float(out.token_logprobs[r, j].sum())
+        if out.finished[r, j]:
+          prompt_len = 0 if m.config.is_encoder_decoder else len([t for t in x[r] if t])
+          penalty = ((5.0 + prompt_len + n) / 6.0) ** alpha
+          np.testing.assert_allclose(total, out.scores[r, j] * penalty, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_min_log_prob_per_row_in_generate():
+  """`Generator.generate(min_log_prob=[b])` stops each row at its own threshold, as
+  `Model.predict` does for the whole batch with one."""
+  from t5forge.generation import Generator, Kind
+  m = t5forge.init("t5_1_1.tiny", vocab_size=64)
+  enc = np.random.default_rng(1).integers(2, 64, size=(2, 8)).astype(np.int32)
+  g = Generator(m.model, m.params)
+  out = g.generate(Kind("beam", num_decodes=2), enc, decode_length=8,
+                   max_new_tokens=np.full((2,), 8, np.int32), temperature=0.0, topp=0.0,
+                   min_log_prob=np.array([-1.0, -np.inf], np.float32))
+  stopped, _ = m.predict(enc[:1], max_decode_length=8, method="beam", num_decodes=2,
+                         min_log_prob=-1.0, return_all_decodes=True)
+  full, _ = m.predict(enc[1:], max_decode_length=8, method="beam", num_decodes=2,
+                      return_all_decodes=True)
+  np.testing.assert_array_equal(out.tokens[0], stopped[0])
+  np.testing.assert_array_equal(out.tokens[1], full[0])
+  assert int(out.lengths[0, -1]) == 1 and int(out.lengths[1, -1]) > 1
+  with pytest.raises(UserError, match="beam search only"):
+    g.generate(Kind("greedy"), enc, decode_length=8, max_new_tokens=np.full((2,), 8, np.int32),
+               temperature=0.0, topp=0.0, min_log_prob=-1.0)
