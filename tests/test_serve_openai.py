@@ -192,6 +192,34 @@ def test_beams_n_and_seeded_sampling(client, server):
   assert [c["text"] for c in other["choices"]] != texts
 
 
+def test_beam_logprobs_and_min_log_prob(client, server, ckpt):
+  """Beams carry their tokens' log-probs (those of `Generator.generate` on the same
+  input, whatever shares the batch); min_log_prob is a beams-only field."""
+  import t5forge
+  from t5forge.generation import Generator, Kind
+  m = t5forge.load(ckpt)
+  ids = m.vocabulary.encode(PROMPTS[3]) + [m.vocabulary.eos_id]
+  x = np.array([ids + [0] * (32 - len(ids))], np.int32)
+  ref = Generator(m.model, m.params).generate(
+      Kind("beam", num_decodes=3, top_logprobs=2), x, decode_length=MAX_TOKENS,
+      max_new_tokens=np.array([MAX_TOKENS], np.int32), temperature=0.0, topp=0.0, alpha=0.6)
+  got = client.completions.create(model="tiny-t5", prompt=[PROMPTS[3], PROMPTS[0]],
+                                  max_tokens=MAX_TOKENS, logprobs=2,
+                                  extra_body={"num_beams": 3, "alpha": 0.6}).choices[0]
+  n = int(ref.lengths[0, -1])
+  np.testing.assert_allclose(got.logprobs.token_logprobs[:n], ref.token_logprobs[0, -1, :n],
+                             atol=1e-5)
+  assert all(len(d) <= 2 for d in got.logprobs.top_logprobs)
+  # Every token of a random model costs more than 1 nat: the beams stop after one token.
+  short = client.completions.create(model="tiny-t5", prompt=PROMPTS[3], max_tokens=MAX_TOKENS,
+                                    logprobs=0,
+                                    extra_body={"num_beams": 3, "min_log_prob": -1.0})
+  assert len(short.choices[0].logprobs.tokens) == 1
+  status, _, body = sh.request(server.url, "/v1/completions", {
+      "prompt": PROMPTS[3], "max_tokens": 4, "temperature": 0, "min_log_prob": -1.0})
+  assert status == 400 and body["error"]["param"] == "min_log_prob", body
+
+
 @pytest.mark.slow
 def test_exported_directory_serves_the_same_texts(ckpt, client, tmp_path):
   """`t5forge serve` on a `t5forge export --format jax` directory (run by the standalone

@@ -339,12 +339,15 @@ class ExportedGenerator:
 
   def generate(self, kind, inputs: np.ndarray, *, decode_length: int, max_new_tokens,
                temperature=None, topp=None, alpha: float = 0.6, seed: int = 0,
-               stream: bool = False, on_chunk=None) -> Generated:
+               min_log_prob=None, stream: bool = False, on_chunk=None) -> Generated:
     """Decodes `inputs` [b, i]; returns Generated with tokens [b, 1, l].
 
     With stream=True, on_chunk(tokens, lengths, finished) is called once, at the end (the
     exported loop runs whole)."""
     del alpha  # beam search only, which an export does not have
+    if min_log_prob is not None:
+      raise ExportError("min_log_prob applies to beam search, which an exported model does "
+                        "not have; serve the checkpoint for num_beams")
     method = self.check_kind(kind)
     b = np.asarray(inputs).shape[0]
     steps = np.broadcast_to(np.asarray(max_new_tokens, np.int32), (b,))

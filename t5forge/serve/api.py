@@ -70,9 +70,10 @@ class CompletionRequest(pydantic.BaseModel):
   top_k: int = 0
   num_beams: int = 1
   alpha: float = 0.6
+  min_log_prob: float | None = None   # beams only: stop once the best beam falls below (T5X)
   priority: int = 0                   # lower is served first (as vLLM); engine rows only
 
-  @pydantic.field_validator("temperature", "top_p", "alpha", mode="before")
+  @pydantic.field_validator("temperature", "top_p", "alpha", "min_log_prob", mode="before")
   @classmethod
   def _int_is_float(cls, v):
     # strict mode refuses 1 for a float field; JSON clients send 1 for 1.0.
@@ -183,10 +184,13 @@ def check_completion(req: CompletionRequest, limits: Limits) -> None:
   if req.logprobs is not None:
     if not 0 <= req.logprobs <= 5:
       raise _bad(f"logprobs must be in [0, 5], got {req.logprobs}", "logprobs")
-    if req.num_beams > 1:
-      raise _bad("logprobs are not available with beam search (num_beams > 1)", "logprobs")
   if req.alpha < 0:
     raise _bad(f"alpha (beam brevity penalty) must be >= 0, got {req.alpha}", "alpha")
+  if req.min_log_prob is not None and not req.min_log_prob == req.min_log_prob:
+    raise _bad("min_log_prob must be a number, got NaN", "min_log_prob")
+  if req.min_log_prob is not None and req.num_beams == 1:
+    raise _bad("min_log_prob stops beam search only; set num_beams > 1 or drop it",
+               "min_log_prob")
   stops = [] if req.stop is None else as_list(req.stop)
   if len(stops) > 4:
     raise _bad(f"at most 4 stop sequences, got {len(stops)}", "stop")

@@ -57,6 +57,7 @@ class Row:
   temperature: float = 0.0
   topp: float = 1.0
   alpha: float = 0.6
+  min_log_prob: float | None = None  # beam rows: stop below this (None: never)
   seed: int | None = None
   target_ids: list[int] | None = None
   on_chunk: Callable | None = None
@@ -231,6 +232,12 @@ class Batcher(QueueWorker):
     topp = np.ones((size,), np.float32)
     for i, r in enumerate(rows):
       max_new[i], temperature[i], topp[i] = r.max_new_tokens, r.temperature, r.topp
+    # Per row, so that beam requests with different thresholds share a batch.
+    min_log_prob = None
+    if any(r.min_log_prob is not None for r in rows):
+      min_log_prob = np.full((size,), -np.inf, np.float32)
+      for i, r in enumerate(rows):
+        min_log_prob[i] = -np.inf if r.min_log_prob is None else r.min_log_prob
     seed = rows[0].seed if rows[0].seed is not None else next(self._seeds)
     streaming = [(i, r.on_chunk) for i, r in enumerate(rows) if r.on_chunk is not None]
 
@@ -240,7 +247,8 @@ class Batcher(QueueWorker):
 
     g = self.generator.generate(rows[0].kind, inputs, decode_length=length,
                                 max_new_tokens=max_new, temperature=temperature, topp=topp,
-                                alpha=rows[0].alpha, seed=seed, stream=bool(streaming),
+                                alpha=rows[0].alpha, min_log_prob=min_log_prob, seed=seed,
+                                stream=bool(streaming),
                                 on_chunk=on_chunk if streaming else None)
     pick = lambda a, i: None if a is None else np.asarray(a[i])
     return [RowResult(tokens=np.asarray(g.tokens[i]), scores=np.asarray(g.scores[i]),

@@ -38,7 +38,7 @@ class Plan:
   def __init__(self, req: api.CompletionRequest, kind_cls):
     lp = req.logprobs or 0
     if req.num_beams > 1:
-      self.kind = kind_cls(method="beam", num_decodes=req.num_beams)
+      self.kind = kind_cls(method="beam", num_decodes=req.num_beams, top_logprobs=lp)
       self.group = ("beam", self.kind, req.alpha)
       # beams come best last; the choices are the n best, best first
       self.sources = list(range(req.num_beams - 1, req.num_beams - 1 - req.n, -1))
@@ -182,7 +182,8 @@ def _batcher_rows(s: Service, req, plan: Plan, ids, ch: _Choices) -> list:
 
     rows.append(batching.Row(group=plan.group, kind=plan.kind, ids=x,
                              max_new_tokens=req.max_tokens, temperature=req.temperature,
-                             topp=req.top_p, alpha=req.alpha, seed=req.seed,
+                             topp=req.top_p, alpha=req.alpha, min_log_prob=req.min_log_prob,
+                             seed=req.seed,
                              on_chunk=on_chunk if ch.events is not None else None, done=done))
   return rows
 
