@@ -75,7 +75,23 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
   p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
   p.add_argument("--api_key", default=None,
-                 help="require `Authorization: Bearer KEY` on every route but /health and /")
+                 help="require `Authorization: Bearer KEY` on every route but /livez, /readyz, "
+                 "/health and / (the key's name: default)")
+  sec = p.add_argument_group("keys and rate limits (docs/serving.md)")
+  sec.add_argument("--api_key_file", default=None,
+                   help="named keys, one `name:key` a line (# comments); every route but "
+                   "/livez, /readyz, /health and / then needs one of them")
+  sec.add_argument("--requests_per_second", default=None,
+                   help="per key: requests per second (a token bucket; bursts of up to one "
+                   "second's worth); more get 429 + Retry-After")
+  sec.add_argument("--tokens_per_minute", default=None,
+                   help="per key: prompt + output tokens per minute; a key whose bucket is "
+                   "empty gets 429 + Retry-After")
+  sec.add_argument("--body_timeout_s", default="30",
+                   help="a request body not received whole within this many seconds gets 408")
+  sec.add_argument("--metrics_compat", choices=["none", "vllm"], default="none",
+                   help="vllm: /metrics also shows vLLM's names (vllm:num_requests_waiting, "
+                   "...), each labelled model_name")
   b = p.add_argument_group("batching (docs/serving.md says what each trades)")
   b.add_argument("--max_batch_size", type=int, default=16, help="rows per model call at most")
   b.add_argument("--max_wait_ms", type=float, default=10.0,
@@ -205,8 +221,14 @@ def main(argv: list[str]) -> int:
   unknown = sorted(set(warm) - {"greedy", "sample", "score"})
   if unknown:
     raise UserError(f"--warmup {unknown}: choose from greedy, sample, score")
-  if args.api_key is not None and not _is_loopback(args.host):
-    print(f"warning: --api_key on {args.host}: the key and the prompts travel unencrypted "
+  from t5forge.serve import auth  # noqa: PLC0415 (after the flags parse: --help stays fast)
+  # Before anything slow: a bad key file or limit is said at once.
+  keys = auth.load_keys(args.api_key, args.api_key_file)
+  rates = (auth.positive("--requests_per_second", args.requests_per_second),
+           auth.positive("--tokens_per_minute", args.tokens_per_minute))
+  body_timeout_s = auth.positive("--body_timeout_s", args.body_timeout_s)
+  if keys is not None and not _is_loopback(args.host):
+    print(f"warning: API keys on {args.host}: the keys and the prompts travel unencrypted "
           "(this server has no TLS); put a TLS proxy in front (docs/serving.md)",
           file=sys.stderr, flush=True)
   sock = _bind(args.host, args.port)
@@ -223,7 +245,7 @@ def main(argv: list[str]) -> int:
   t0 = time.monotonic()
   gen, vocab, kind_cls, check_kind = _open(args, buckets, exported)
   name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
-  metrics = Metrics()
+  metrics = Metrics(model_name=name, compat=args.metrics_compat)
   engine = _engine(args, gen, buckets, exported_dir=check_kind is not None, metrics=metrics)
   # The engine compiles greedy and sampling itself; the batcher then runs beam search only.
   kinds = [] if engine is not None else [kind_cls(method=m) for m in ("greedy", "sample")
@@ -237,8 +259,11 @@ def main(argv: list[str]) -> int:
   service = Service(batcher=batch, vocabulary=vocab, kind_cls=kind_cls, model_name=name,
                     limits=limits, metrics=metrics, is_encoder_decoder=gen.is_encoder_decoder,
                     eos_id=gen.eos_id, stop_ids=getattr(gen, "stop_ids", None),
-                    api_key=args.api_key, check_kind=check_kind, can_score=check_kind is None,
-                    engine=engine, shutdown_timeout=args.shutdown_timeout)
+                    check_kind=check_kind, can_score=check_kind is None,
+                    engine=engine, shutdown_timeout=args.shutdown_timeout, keys=keys,
+                    limiter=None if rates == (None, None) else auth.Limiter(*rates,
+                                                                            metrics=metrics),
+                    body_timeout_s=body_timeout_s)
   return _run(app_lib.create_app(service), service, sock, args.host, t0,
               f"{len(jax.devices())} {jax.devices()[0].platform} device(s)")
 

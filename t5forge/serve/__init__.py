@@ -5,8 +5,9 @@
     completions.py  a completion request -> decode plan -> batched rows -> JSON or SSE stream
     service.py      `Service` (what the routes share) and the request steps they share
     api.py          request bodies, their checks, OpenAI's error objects
+    auth.py         named API keys, the open routes, per-key rate limits (token buckets)
     batcher.py      the queue and the worker thread that batches requests into model calls
-    metrics.py      Prometheus metrics
+    metrics.py      Prometheus metrics (+ vLLM's names with --metrics_compat vllm)
 
 An exported model (`t5forge export --format jax`) is served through `t5forge.export.loader`.
 """

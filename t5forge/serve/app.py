@@ -9,19 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import time
 
 import fastapi
 from fastapi import responses
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from t5forge.serve import api, routes
+from t5forge.serve import api, auth, routes
 from t5forge.serve.service import Service, error_response
 
 __all__ = ["Service", "create_app"]
-
-_OPEN = ("/health", "/")  # no key needed: liveness, and the static page (it asks for the key)
 
 
 def create_app(service: Service) -> fastapi.FastAPI:
@@ -40,6 +37,8 @@ def create_app(service: Service) -> fastapi.FastAPI:
   app = fastapi.FastAPI(title="t5forge serve", lifespan=lifespan, docs_url=None,
                         redoc_url=None, openapi_url=None)
   app.state.service = service
+  if service.keys is None and service.api_key is not None:
+    service.keys = auth.Keys({auth.DEFAULT_NAME: service.api_key})
   app.add_exception_handler(api.ApiError, _api_error)
   app.add_exception_handler(StarletteHTTPException, _http_error)
   app.add_exception_handler(Exception, _internal)
@@ -68,23 +67,34 @@ async def _internal(_request, e: Exception):
 
 # -- every request --------------------------------------------------------------------------
 async def _guard(request: fastapi.Request, call_next):
-  """Draining, auth, and the request counters."""
+  """Draining, auth (every route not on `auth.OPEN` needs a key once keys are
+  configured), the per-key rate limits, and the request counters."""
   s: Service = request.app.state.service
   start = time.monotonic()
   path = request.url.path
   route = path if path in routes.ROUTES else "other"
+  guarded = path not in auth.OPEN
+  # The caller's key NAME (None: no keys configured, or none of them was sent).
+  name = s.keys.identify(request.headers.get("authorization")) if (
+      guarded and s.keys is not None) else None
   if s.draining and path != "/health":
     resp = error_response(503, "the server is shutting down", type_="server_error",
                           code="shutting_down",
                           headers={"Retry-After": "5", "Connection": "close"})
-  elif s.api_key is not None and path not in _OPEN and not _authorized(request, s.api_key):
-    got = request.headers.get("authorization")
-    resp = error_response(401, "missing bearer key: send Authorization: Bearer <key>"
-                          if not got else "wrong API key in the Authorization header",
-                          param="Authorization", code="invalid_api_key")
+  elif guarded and s.keys is not None and name is None:
+    resp = _unauthorized(request.headers.get("authorization"))
   else:
     try:
+      if guarded:
+        request.state.key_name = name
+        if name is not None:
+          s.metrics.key_requests.labels(name).inc()
+        if s.limiter is not None:
+          s.limiter.admit(name)
       resp = await call_next(request)
+    except api.ApiError as e:  # a 429 of the limiter
+      resp = error_response(e.status, e.message, param=e.param, type_=e.type, code=e.code,
+                            headers=e.headers)
     except Exception as e:  # noqa: BLE001
       resp = error_response(500, f"internal error: {type(e).__name__}: {e}",
                             type_="server_error")
@@ -95,7 +105,10 @@ async def _guard(request: fastapi.Request, call_next):
   return resp
 
 
-def _authorized(request: fastapi.Request, key: str) -> bool:
-  got = request.headers.get("authorization", "")
-  scheme, _, token = got.partition(" ")
-  return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+def _unauthorized(got: str | None):
+  """The 401 of a request without a configured key (the key it sent is never repeated)."""
+  scheme = (got or "").strip().partition(" ")[0]
+  message = ("missing bearer key: send Authorization: Bearer <key>" if not (got or "").strip()
+             else "the Authorization header must be `Bearer <key>`" if scheme.lower() != "bearer"
+             else "wrong API key in the Authorization header")
+  return error_response(401, message, param="Authorization", code="invalid_api_key")

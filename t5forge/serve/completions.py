@@ -66,19 +66,27 @@ def _check_kind(s: Service, plan: Plan) -> None:
     raise api.ApiError(400, str(e), param=param, code="unsupported") from None
 
 
-def _check_cost(s: Service, req: api.CompletionRequest, ids: list[list[int]]) -> None:
-  """A 400 before any work when the request's tokens (each prompt plus n completions of
-  max_tokens) are over --max_request_tokens."""
+def encode_capped(s: Service, req: api.CompletionRequest, prompts: list,
+                  encode=None) -> list[list[int]]:
+  """Each prompt's ids, tokenized one at a time and refused (400) as soon as the request's
+  tokens (the prompts so far plus n completions of max_tokens each) are over
+  --max_request_tokens: a request over the cap costs no more tokenizing than it took to
+  see that. `encode(prompt, param)`: how a prompt becomes ids (default `s.encode`)."""
+  encode = encode or s.encode
   cap = s.limits.max_request_tokens
-  if cap is None:
-    return
   choices = max(req.n, req.num_beams)
-  cost = sum(len(x) + choices * req.max_tokens for x in ids)
-  if cost > cap:
-    raise api.ApiError(400, f"the request may use {cost} tokens (prompts + n x max_tokens), "
-                       f"over the limit of {cap} (--max_request_tokens); lower max_tokens, n "
-                       "or the number of prompts", param="max_tokens",
-                       code="request_too_large")
+  ids, cost = [], 0
+  for i, p in enumerate(prompts):
+    x = encode(p, "prompt" if isinstance(req.prompt, str) else f"prompt[{i}]")
+    ids.append(x)
+    cost += len(x) + choices * req.max_tokens
+    if cap is not None and cost > cap:
+      more = "" if i == len(prompts) - 1 else f" by prompt {i} of {len(prompts)}"
+      raise api.ApiError(400, f"the request may use {cost} tokens{more} (prompts + n x "
+                         f"max_tokens), over the limit of {cap} (--max_request_tokens); lower "
+                         "max_tokens, n or the number of prompts", param="max_tokens",
+                         code="request_too_large")
+  return ids
 
 
 class _Choices:
@@ -223,11 +231,9 @@ async def complete(s: Service, request: fastapi.Request):
     raise api.ApiError(400, "logprobs are not sent with stream=true on this server; ask "
                        "without streaming", param="logprobs", code="unsupported")
   prompts = api.as_list(req.prompt)
-  ids = [s.encode(p, "prompt" if isinstance(req.prompt, str) else f"prompt[{i}]")
-         for i, p in enumerate(prompts)]
+  ids = encode_capped(s, req, prompts)
   plan = Plan(req, s.kind_cls)
   _check_kind(s, plan)
-  _check_cost(s, req, ids)
   stops = [] if req.stop is None else api.as_list(req.stop)
   n = len(plan.sources)
   ch = _Choices(s, asyncio.get_running_loop(), len(prompts) * n, stops, req.stream)
@@ -239,6 +245,7 @@ async def complete(s: Service, request: fastapi.Request):
     s.submit(rows)
   prompt_tokens = sum(map(len, ids))
   s.metrics.prompt_tokens.inc(prompt_tokens)
+  s.charge(request, prompt_tokens)
   rid = f"cmpl-{uuid.uuid4().hex}"
   created = int(time.time())
 
@@ -246,11 +253,17 @@ async def complete(s: Service, request: fastapi.Request):
     # The middleware leaves the latency to the stream, which observes it when it ends.
     request.state.streaming = True
     return responses.StreamingResponse(
-        _stream(s, ch, rows, rid, created, start),
+        _stream(s, ch, rows, rid, created, start, lambda n: s.charge(request, n)),
         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-  results = await _await_or_leave(request, ch.futs, rows)
+  try:
+    results = await _await_or_leave(request, ch.futs, rows)
+  except BaseException:
+    s.metrics.finish([])
+    raise
   if results is None:
+    s.metrics.finish([])
+    s.charge(request, sum(len(t.ids) for t in ch.texts))
     return responses.Response(status_code=499)  # nobody reads it: the client left
   choices, completion_tokens = [], 0
   for i, (c, text) in enumerate(zip(results, ch.texts)):
@@ -265,16 +278,21 @@ async def complete(s: Service, request: fastapi.Request):
     choices.append({"text": text.final_text, "index": i, "logprobs": lp,
                     "finish_reason": text.finish_reason(c.finished)})
   s.metrics.completion_tokens.inc(completion_tokens)
+  s.charge(request, completion_tokens)
+  s.metrics.finish([c["finish_reason"] for c in choices])
   return {"id": rid, "object": "text_completion", "created": created, "model": s.model_name,
           "choices": choices,
           "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                     "total_tokens": prompt_tokens + completion_tokens}}
 
 
-async def _stream(s: Service, ch: _Choices, rows, rid: str, created: int, start: float):
+async def _stream(s: Service, ch: _Choices, rows, rid: str, created: int, start: float,
+                  charge):
   """OpenAI's SSE: one `data: {...}` per text delta of a choice, its finish_reason in a
-  last chunk, then `data: [DONE]`. A client that leaves cancels the rows still running."""
+  last chunk, then `data: [DONE]`. A client that leaves cancels the rows still running.
+  `charge(tokens)` takes the output tokens from the caller's rate limit at the end."""
   left = len(ch.texts)
+  reasons = []
 
   def chunk(index: int, text: str, reason: str | None) -> str:
     return "data: " + json.dumps({
@@ -295,10 +313,14 @@ async def _stream(s: Service, ch: _Choices, rows, rid: str, created: int, start:
         yield chunk(index, delta, None)
       if reason is not None:
         left -= 1
+        reasons.append(reason)
         yield chunk(index, "", reason)
     yield "data: [DONE]\n\n"
   finally:
     for r in rows:
       r.cancel()
-    s.metrics.completion_tokens.inc(sum(len(t.ids) for t in ch.texts))
+    generated = sum(len(t.ids) for t in ch.texts)
+    s.metrics.completion_tokens.inc(generated)
+    charge(generated)
+    s.metrics.finish(reasons if not left else [])
     s.metrics.latency.labels("/v1/completions").observe(time.monotonic() - start)

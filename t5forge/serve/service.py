@@ -9,6 +9,7 @@ callback hands it to the request's asyncio future on the event loop.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from typing import Any
@@ -48,9 +49,29 @@ class Service:
   engine: Any = None
   shutdown_timeout: float = 0.0  # SIGTERM: fail what still runs after this (0: finish all)
   created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+  keys: Any = None            # auth.Keys (--api_key, --api_key_file), or None: open
+  limiter: Any = None         # auth.Limiter (--requests_per_second, --tokens_per_minute)
+  body_timeout_s: float = 30.0  # a body not read whole by then is a 408 (--body_timeout_s)
+
+  def charge(self, request: fastapi.Request, tokens: int) -> None:
+    """Takes `tokens` (prompt, then output) from the caller's --tokens_per_minute bucket;
+    the guard (app.py) put the caller's key NAME in `request.state.key_name`."""
+    if self.limiter is not None:
+      self.limiter.charge(getattr(request.state, "key_name", None), tokens)
 
   async def read_body(self, request: fastapi.Request) -> bytes:
-    """The body, refused (413) as soon as it is over `limits.max_body_bytes`."""
+    """The body, refused (413) as soon as it is over `limits.max_body_bytes`, and (408,
+    the connection closed) when it has not all arrived within `body_timeout_s`: a client
+    that sends slowly only ever holds its own connection, never the event loop."""
+    try:
+      async with asyncio.timeout(self.body_timeout_s):
+        return await self._read_body(request)
+    except TimeoutError:
+      raise api.ApiError(408, f"the request body did not arrive within {self.body_timeout_s:g} "
+                         "s (--body_timeout_s); send it whole", param="body",
+                         code="body_timeout", headers={"Connection": "close"}) from None
+
+  async def _read_body(self, request: fastapi.Request) -> bytes:
     limit = self.limits.max_body_bytes
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
