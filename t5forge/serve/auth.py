@@ -180,8 +180,9 @@ class Limiter:
     name = name or ANONYMOUS
     with self._lock:
       requests, tokens = self._of(name, self._clock())
-      if tokens is not None and tokens.level <= 0:
-        self._refuse(name, "tokens", tokens.wait_s(1e-9),
+      # Empty: not one token left (output charged after the fact may leave it in debt).
+      if tokens is not None and tokens.level < 1:
+        self._refuse(name, "tokens", tokens.wait_s(1.0),
                      f"{self.tokens_per_minute:g} tokens per minute (--tokens_per_minute)")
       if requests is not None and requests.level < 1:
         self._refuse(name, "requests", requests.wait_s(1.0),
