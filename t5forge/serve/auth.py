@@ -150,7 +150,7 @@ class _Bucket:
 
 class Limiter:
   """Per-NAME token buckets: `requests_per_second` R (bursts of up to max(1, R)
-  requests) and `tokens_per_minute` T (prompt + output tokens; a minute's worth at most).
+  requests) and `tokens_per_minute` T (prompt + output tokens; up to max(1, T) held).
 
   `admit` takes one request, or raises the 429 (+ Retry-After, whole seconds) of the
   bucket that is empty; the token bucket is only checked there (a request in flight is
@@ -169,7 +169,7 @@ class Limiter:
       r, t = self.requests_per_second, self.tokens_per_minute
       got = self._buckets[name] = (
           None if r is None else _Bucket(r, max(1.0, r), max(1.0, r), now),
-          None if t is None else _Bucket(t / 60.0, t, t, now))
+          None if t is None else _Bucket(t / 60.0, max(1.0, t), max(1.0, t), now))
     for b in got:
       if b is not None:
         b.refill(now)

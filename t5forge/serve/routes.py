@@ -103,6 +103,7 @@ async def score(request: fastapi.Request):
     n_tokens += len(ids) + len(tids)
   s.submit(rows)
   s.metrics.prompt_tokens.inc(n_tokens)
+  s.charge(request, n_tokens)
   results = await asyncio.gather(*futs)
   return {"object": "list", "model": s.model_name,
           "data": [{"object": "score", "index": i, "log_likelihood": r.score}
