@@ -20,6 +20,7 @@ import socket
 import threading
 import time
 
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -177,6 +178,12 @@ def test_tokens_per_minute_is_per_key(server):
   # until it holds one again.
   want = math.ceil((1 + first["usage"]["total_tokens"] - TPM) * 60 / TPM)
   assert want - 2 <= int(headers["retry-after"]) <= want, (headers, want)
+  # The `openai` client reads it as its RateLimitError.
+  client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEYS["tok"], max_retries=0)
+  with pytest.raises(openai.RateLimitError) as e:
+    client.completions.create(model="tiny-t5", prompt="God", max_tokens=2)
+  assert e.value.status_code == 429 and e.value.code == "rate_limit_exceeded"
+  assert int(e.value.response.headers["retry-after"]) >= 1
   status, _, out = sh.request(server.url, "/v1/completions", GOOD, headers=_auth("bob"))
   assert status == 200 and out["choices"][0]["text"], out
 
