@@ -30,7 +30,7 @@ from t5forge.data import vocab_io
 from t5forge.engine import offline
 from t5forge.errors import UserError
 from t5forge.generation import Generator
-from t5forge.predict import DecodeOptions
+from t5forge.predict import SCHEDULERS, DecodeOptions
 from t5forge.sharding import Partitioner
 
 
@@ -72,12 +72,18 @@ class InferenceEvaluator:
       TensorBoard dirs and metrics.jsonl); default: own TensorBoard writers.
     param_shardings: the parameters' shardings (`opener.Opened`) for the prediction
       functions' explicit input shardings; None: as the arrays come.
+    scheduler: 'continuous' (greedy / sampled decodes of an encoder-decoder feed the
+      engine's slots) or 'static' (padded batches, as beams and decoder-only models
+      always); sampled texts differ between the two, so a sampled record names it.
   """
 
   def __init__(self, *, model, dataset_cfg, partitioner: Partitioner | None = None,
                model_dir: str | None = None, output_dir: str | None = None,
                decode_options: DecodeOptions | None = None, num_examples: int | None = None,
-               write_predictions: bool = True, metric_writer=None, param_shardings=None):
+               write_predictions: bool = True, metric_writer=None, param_shardings=None,
+               scheduler: str = "continuous"):
+    if scheduler not in SCHEDULERS:
+      raise UserError(f"--scheduler {scheduler!r}: choose one of {SCHEDULERS}")
     if dataset_cfg.module:
       data.import_task_module(dataset_cfg.module, flag="--module / MIXTURE_OR_TASK_MODULE")
     self.model = model
@@ -86,6 +92,7 @@ class InferenceEvaluator:
     self.model_dir = model_dir
     self.split = dataset_cfg.split
     self.options = decode_options or DecodeOptions()
+    self.continuous = scheduler == "continuous" and offline.supports(model, self.options)
     self.write_predictions = write_predictions
     self.num_examples = num_examples
     item = data.get_mixture_or_task(dataset_cfg.mixture_or_task_name)
@@ -147,7 +154,7 @@ class InferenceEvaluator:
     limit = self.num_examples
     # Greedy / sampled decodes of an encoder-decoder: every example's input is gathered,
     # then all feed the engine's slots (as `t5forge infer`); else per padded batch.
-    continuous = want_predict and offline.supports(self.model, self.options)
+    continuous = want_predict and self.continuous
     inputs: dict[int, list[int]] = {}
     shape = None
     for batch in ds:
@@ -210,10 +217,12 @@ class InferenceEvaluator:
                     "step": int(step), "format": "t5forge", "content": None}
     n = ds.num_examples if self.num_examples is None else min(self.num_examples,
                                                               ds.num_examples)
+    decode = provenance.decode_record(self.options) if ds.task.predict_metric_fns else None
+    if decode is not None and self.continuous and self.options.method == "sample":
+      decode["scheduler"] = "continuous"  # the slots draw other samples than static batches
     return provenance.normalized({
         "split": self.split, "num_examples": n, "feature_lengths": dict(ds.lengths),
-        "decode": (provenance.decode_record(self.options) if ds.task.predict_metric_fns
-                   else None),
+        "decode": decode,
         "model": provenance.model_record(self.model.config), "checkpoint": checkpoint})
 
   def __call__(self, params, step: int, checkpoint: dict | None = None) -> dict[str, float]:
@@ -324,7 +333,8 @@ def _shown(scalars: dict[str, float]) -> str:
 def evaluate(*, dataset_cfg, restore_checkpoint_cfg, model=None, output_dir: str | None = None,
              partitioner: Partitioner | None = None, decode_options: DecodeOptions | None = None,
              num_examples: int | None = None, vocabulary=None, force: bool = False,
-             load_overrides: dict | None = None) -> dict[int, dict[str, float]]:
+             load_overrides: dict | None = None,
+             scheduler: str = "continuous") -> dict[int, dict[str, float]]:
   """`t5forge eval`: one, the latest, or all checkpoints (T5X's eval.py).
 
   A checkpoint is skipped when <task>-metrics.jsonl already has, for every task, a record
@@ -341,6 +351,7 @@ def evaluate(*, dataset_cfg, restore_checkpoint_cfg, model=None, output_dir: str
     force: evaluate even checkpoints with a matching record.
     load_overrides: runtime ModelConfig fields applied as checkpoints are read
       (`--dtype`, `--weight_dtype`); a gin MODEL's own layout and weight type otherwise.
+    scheduler: `InferenceEvaluator`'s ('continuous' or 'static').
 
   Returns:
     {step: {"inference_eval/<task>/<metric>": value, ".../num_examples": n}} for the
@@ -384,7 +395,8 @@ def evaluate(*, dataset_cfg, restore_checkpoint_cfg, model=None, output_dir: str
         evaluator = InferenceEvaluator(model=model, dataset_cfg=dataset_cfg,
                                        partitioner=partitioner, output_dir=output_dir,
                                        decode_options=decode_options, num_examples=num_examples,
-                                       param_shardings=opened.param_shardings)
+                                       param_shardings=opened.param_shardings,
+                                       scheduler=scheduler)
         if not evaluator.eval_tasks:
           raise UserError(evaluator.no_tasks_reason)
         done = evaluator.records()

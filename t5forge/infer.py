@@ -41,11 +41,10 @@ from t5forge.data.files import iter_lines
 from t5forge.errors import UserError
 from t5forge.engine import offline
 from t5forge.generation import Generator
-from t5forge.predict import DecodeOptions, features_from_tokens, fit
+from t5forge.predict import SCHEDULERS, DecodeOptions, features_from_tokens, fit
 from t5forge.sharding import Partitioner
 
 MODES = ("predict", "predict_with_aux", "score")
-SCHEDULERS = ("continuous", "static")
 
 
 @dataclasses.dataclass

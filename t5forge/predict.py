@@ -17,6 +17,9 @@ import numpy as np
 from t5forge.errors import UserError
 
 METHODS = ("greedy", "sample", "beam")
+# How `t5forge infer` and eval feed greedy / sampled encoder-decoder rows: the engine's
+# slots as they free up, or padded batches that decode as long as their longest row.
+SCHEDULERS = ("continuous", "static")
 
 
 def fit(ids: list[int], length: int, eos: int) -> list[int]:

@@ -167,8 +167,18 @@ def test_eval_skips_only_a_matching_record_and_force_redoes(model_dir, tmp_path,
 
 
 def test_eval_runtime_flags_take_effect(model_dir, tmp_path, user_path):
-  """--weight_dtype / --dtype used to be accepted by `eval` and ignored (item 6)."""
+  """--weight_dtype / --dtype change what eval computes (they were once accepted and
+  ignored); --scheduler static decodes greedy rows in padded batches, the same texts."""
   out = tmp_path / "eval"
+  assert _eval(model_dir, out, "--num_examples", "2").returncode == 0
+  r = _eval(model_dir, out, "--num_examples", "2", "--scheduler", "static")
+  assert r.returncode == 0 and "already evaluated" in r.stdout, (r.stdout, r.stderr[-2000:])
+  r = _eval(model_dir, out, "--num_examples", "2", "--scheduler", "static", "--force")
+  assert r.returncode == 0, r.stderr[-2000:]
+  first, again = read_jsonl(out / "fresh_tiny_en_es-metrics.jsonl")
+  assert {k: v for k, v in first.items() if k != "coverage"} == {
+      k: v for k, v in again.items() if k != "coverage"}
+  (out / "fresh_tiny_en_es-metrics.jsonl").unlink()
   assert _eval(model_dir, out, "--num_examples", "2").returncode == 0
   r = _eval(model_dir, out, "--num_examples", "2", "--weight_dtype", "int8")
   assert r.returncode == 0 and "already evaluated" not in r.stdout, (r.stdout, r.stderr[-2000:])
@@ -231,10 +241,9 @@ def test_eval_on_the_engine_equals_static_batches(model_dir, tmp_path, monkeypat
   monkeypatch.setattr(offline.OfflineDecoder, "decode",
                       lambda self, *a, **kw: calls.append(1) or decode(self, *a, **kw))
   for scheduler in ("continuous", "static"):
-    if scheduler == "static":
-      monkeypatch.setattr(offline, "supports", lambda *a: False)
     out = tmp_path / scheduler
-    hook = evaluate.InferenceEvaluator(model=model, output_dir=str(out), dataset_cfg=cfg)
+    hook = evaluate.InferenceEvaluator(model=model, output_dir=str(out), dataset_cfg=cfg,
+                                       scheduler=scheduler)
     scalars = hook(params, 4)
     hook.close()
     assert bool(calls) == (scheduler == "continuous")
@@ -243,3 +252,16 @@ def test_eval_on_the_engine_equals_static_batches(model_dir, tmp_path, monkeypat
                                 for x in read_jsonl(out / "fresh_tiny_en_es-4.jsonl")])
   assert got["continuous"] == got["static"]
   assert got["static"][0]["inference_eval/fresh_tiny_en_es/num_examples"] == 6
+  # A sampled evaluation names its scheduler: the slots draw other samples.
+  from t5forge.errors import UserError
+  from t5forge.predict import DecodeOptions
+  sample = DecodeOptions(method="sample", seed=1)
+  records = {s: evaluate.InferenceEvaluator(model=model, output_dir=str(tmp_path / "s"),
+                                            dataset_cfg=cfg, decode_options=sample,
+                                            scheduler=s).coverage("fresh_tiny_en_es", 4)
+             for s in ("continuous", "static")}
+  assert records["continuous"]["decode"]["scheduler"] == "continuous"
+  assert "scheduler" not in records["static"]["decode"]
+  with pytest.raises(UserError, match="--scheduler 'slots'"):
+    evaluate.InferenceEvaluator(model=model, output_dir=str(tmp_path / "x"), dataset_cfg=cfg,
+                                scheduler="slots")

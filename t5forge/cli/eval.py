@@ -62,6 +62,10 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--force", action="store_true",
                       help="evaluate even checkpoints already evaluated the same way")
   parser.add_argument("--output_dir", default=None)
+  parser.add_argument("--scheduler", choices=["continuous", "static"], default="continuous",
+                      help="continuous: greedy / sampled rows of an encoder-decoder feed "
+                      "--batch_size decode slots as they free up; static: padded batches "
+                      "(beams and decoder-only models always)")
   parser.add_argument("--module", default=None, help="module to import (registers tasks)")
   parser.add_argument("--use_checkpoint_vocabulary", action="store_true",
                       help="tokenize the task with the checkpoint's vocabulary instead of its "
@@ -89,5 +93,5 @@ def main(argv: list[str]) -> int:
       output_dir=args.output_dir, decode_options=decode_flags.options(args),
       num_examples=args.num_examples, force=args.force,
       load_overrides=decode_flags.runtime_overrides(args),
-      partitioner=decode_flags.partitioner(args))
+      partitioner=decode_flags.partitioner(args), scheduler=args.scheduler)
   return 0
