@@ -4,7 +4,8 @@
     t5forge serve --checkpoint google/flan-t5-small --max_batch_size 16 --max_wait_ms 10
     t5forge serve --checkpoint ckpt --host 0.0.0.0 --api_key "$KEY"   # behind a TLS proxy
 
-Routes: POST /v1/completions, POST /v1/score, GET /v1/models, GET /health, GET /metrics,
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /tokenize, POST /detokenize,
+POST /v1/score, GET /v1/models, GET /health, GET /metrics,
 GET / (a page to try the model). The buckets are compiled at start-up; /health answers
 503 until they are, and the server prints one `ready at URL` line. SIGTERM stops taking
 requests, finishes those in flight and exits 0.
@@ -74,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
                  help="the name clients send as `model` (default: the checkpoint's base name)")
   p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
   p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+  p.add_argument("--chat_template", default=None,
+                 help="a Jinja chat template file for /v1/chat/completions (default: the "
+                 "checkpoint's chat_template.jinja or tokenizer_config.json chat_template)")
   p.add_argument("--api_key", default=None,
                  help="require `Authorization: Bearer KEY` on every route but /livez, /readyz, "
                  "/health and / (the key's name: default)")
@@ -256,6 +260,7 @@ def main(argv: list[str]) -> int:
                           max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
                           metrics=metrics, warmup_kinds=kinds,
                           warmup_score="score" in warm and check_kind is None)
+  chat_template = _chat_template(args, vocab)
   service = Service(batcher=batch, vocabulary=vocab, kind_cls=kind_cls, model_name=name,
                     limits=limits, metrics=metrics, is_encoder_decoder=gen.is_encoder_decoder,
                     eos_id=gen.eos_id, stop_ids=getattr(gen, "stop_ids", None),
@@ -263,9 +268,25 @@ def main(argv: list[str]) -> int:
                     engine=engine, shutdown_timeout=args.shutdown_timeout, keys=keys,
                     limiter=None if rates == (None, None) else auth.Limiter(*rates,
                                                                             metrics=metrics),
-                    body_timeout_s=body_timeout_s)
+                    body_timeout_s=body_timeout_s, chat_template=chat_template)
   return _run(app_lib.create_app(service), service, sock, args.host, t0,
               f"{len(jax.devices())} {jax.devices()[0].platform} device(s)")
+
+
+def _chat_template(args, vocab):
+  """The chat template for /v1/chat/completions: --chat_template, else the one the
+  checkpoint's directories hold (the directory given, and the checkpoint it resolves to:
+  an HF directory or Hub download, a MODEL_DIR's latest checkpoint), else None."""
+  from t5forge import convert  # noqa: PLC0415 (after the flags parse: --help stays fast)
+  from t5forge.serve.chat_template import ChatTemplate  # noqa: PLC0415 (as above)
+  dirs = [args.checkpoint] if os.path.isdir(args.checkpoint) else []
+  try:
+    resolved = convert.local_path(args.checkpoint)
+  except UserError:
+    resolved = None
+  if resolved and os.path.isdir(resolved) and resolved not in dirs:
+    dirs.append(resolved)
+  return ChatTemplate.find(args.chat_template, dirs, vocab)
 
 
 def _engine(args, gen, buckets, *, exported_dir: bool, metrics):

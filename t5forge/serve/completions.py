@@ -6,6 +6,9 @@
     incrementally and cut at the stop sequences -> OpenAI's JSON, or its Server-Sent
     Events when stream=true
 
+`run` is the path from encoder ids on, shared with chat (chat.py): `Shape` writes the
+choices as `text_completion` or as `chat.completion`.
+
 The worker threads turn tokens into text deltas (`text.ChoiceText`); a row whose text
 hit a stop sequence is finished at once. Streamed deltas reach the response through an
 asyncio queue. A client that leaves (streaming or not) cancels its rows: a queued row is
@@ -232,11 +235,69 @@ async def complete(s: Service, request: fastapi.Request):
                        "without streaming", param="logprobs", code="unsupported")
   prompts = api.as_list(req.prompt)
   ids = encode_capped(s, req, prompts)
+  return await run(s, request, req, ids, Shape(s.model_name, chat=False), start=start)
+
+
+class Shape:
+  """How a request's choices are written: OpenAI's `text_completion` (`text` per choice)
+  or its `chat.completion` (a `message`, and streamed `delta`s whose first names the
+  role)."""
+
+  def __init__(self, model: str, chat: bool, include_usage: bool = False):
+    self.model, self.chat, self.include_usage = model, chat, include_usage
+    self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    self.created = int(time.time())
+    self.route = "/v1/chat/completions" if chat else "/v1/completions"
+
+  def _head(self, obj: str) -> dict:
+    return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+  def response(self, choices: list[dict], usage: dict) -> dict:
+    return {**self._head("chat.completion" if self.chat else "text_completion"),
+            "choices": choices, "usage": usage}
+
+  def choice(self, index: int, text: str, lp, reason: str) -> dict:
+    if self.chat:
+      return {"index": index, "message": {"role": "assistant", "content": text},
+              "logprobs": lp, "finish_reason": reason}
+    return {"text": text, "index": index, "logprobs": lp, "finish_reason": reason}
+
+  def chunk(self, index: int, text: str | None, reason: str | None) -> str:
+    """One SSE event; chat: text None is the first delta (the role)."""
+    if self.chat:
+      delta = ({"role": "assistant", "content": ""} if text is None else
+               {"content": text} if text else {})
+      choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+      head = self._head("chat.completion.chunk")
+    else:
+      choice = {"text": text or "", "index": index, "logprobs": None, "finish_reason": reason}
+      head = self._head("text_completion")
+    body = {**head, "choices": [choice]}
+    if self.include_usage:
+      body["usage"] = None  # OpenAI: null on every chunk but the last
+    return "data: " + json.dumps(body) + "\n\n"
+
+  def usage_chunk(self, usage: dict) -> str:
+    head = self._head("chat.completion.chunk" if self.chat else "text_completion")
+    return "data: " + json.dumps({**head, "choices": [], "usage": usage}) + "\n\n"
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+  return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+          "total_tokens": prompt_tokens + completion_tokens}
+
+
+async def run(s: Service, request: fastapi.Request, req, ids: list[list[int]], shape: Shape,
+              *, start: float):
+  """Decodes the encoder inputs `ids` (one list per prompt, checked and tokenized) as the
+  checked request `req` asks (max_tokens, temperature, n, stop, stream...); -> the
+  response `shape` writes, or a StreamingResponse of its SSE. Completions and chat both
+  end here."""
   plan = Plan(req, s.kind_cls)
   _check_kind(s, plan)
   stops = [] if req.stop is None else api.as_list(req.stop)
   n = len(plan.sources)
-  ch = _Choices(s, asyncio.get_running_loop(), len(prompts) * n, stops, req.stream)
+  ch = _Choices(s, asyncio.get_running_loop(), len(ids) * n, stops, req.stream)
   if s.engine is not None and plan.kind.method != "beam":
     rows = _engine_rows(s, req, plan, ids, ch)
     s.submit_engine(rows)
@@ -246,14 +307,12 @@ async def complete(s: Service, request: fastapi.Request):
   prompt_tokens = sum(map(len, ids))
   s.metrics.prompt_tokens.inc(prompt_tokens)
   s.charge(request, prompt_tokens)
-  rid = f"cmpl-{uuid.uuid4().hex}"
-  created = int(time.time())
 
   if req.stream:
     # The middleware leaves the latency to the stream, which observes it when it ends.
     request.state.streaming = True
     return responses.StreamingResponse(
-        _stream(s, ch, rows, rid, created, start, lambda n: s.charge(request, n)),
+        _stream(s, ch, rows, shape, prompt_tokens, start, lambda n: s.charge(request, n)),
         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
   try:
@@ -275,32 +334,26 @@ async def complete(s: Service, request: fastapi.Request):
                     None if not k or c.top_ids is None else [t[:k] for t in c.top_ids],
                     None if not k or c.top_logprobs is None else [t[:k] for t in c.top_logprobs],
                     len(text.final_text))
-    choices.append({"text": text.final_text, "index": i, "logprobs": lp,
-                    "finish_reason": text.finish_reason(c.finished)})
+    choices.append(shape.choice(i, text.final_text, lp, text.finish_reason(c.finished)))
   s.metrics.completion_tokens.inc(completion_tokens)
   s.charge(request, completion_tokens)
   s.metrics.finish([c["finish_reason"] for c in choices])
-  return {"id": rid, "object": "text_completion", "created": created, "model": s.model_name,
-          "choices": choices,
-          "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                    "total_tokens": prompt_tokens + completion_tokens}}
+  return shape.response(choices, _usage(prompt_tokens, completion_tokens))
 
 
-async def _stream(s: Service, ch: _Choices, rows, rid: str, created: int, start: float,
-                  charge):
-  """OpenAI's SSE: one `data: {...}` per text delta of a choice, its finish_reason in a
-  last chunk, then `data: [DONE]`. A client that leaves cancels the rows still running.
-  `charge(tokens)` takes the output tokens from the caller's rate limit at the end."""
+async def _stream(s: Service, ch: _Choices, rows, shape: Shape, prompt_tokens: int,
+                  start: float, charge):
+  """OpenAI's SSE: (chat: a first delta with the role per choice) one `data: {...}` per
+  text delta of a choice, its finish_reason in a last chunk, (stream_options.include_usage:
+  a chunk with the usage and no choices) then `data: [DONE]`. A client that leaves cancels
+  the rows still running. `charge(tokens)` takes the output tokens from the caller's rate
+  limit at the end."""
   left = len(ch.texts)
   reasons = []
-
-  def chunk(index: int, text: str, reason: str | None) -> str:
-    return "data: " + json.dumps({
-        "id": rid, "object": "text_completion", "created": created, "model": s.model_name,
-        "choices": [{"text": text, "index": index, "logprobs": None,
-                     "finish_reason": reason}]}) + "\n\n"
-
   try:
+    if shape.chat:
+      for i in range(left):
+        yield shape.chunk(i, None, None)
     while left:
       index, delta, reason = await ch.events.get()
       if reason == "error":
@@ -310,11 +363,13 @@ async def _stream(s: Service, ch: _Choices, rows, rid: str, created: int, start:
                                                "code": None}}) + "\n\n"
         return
       if delta:
-        yield chunk(index, delta, None)
+        yield shape.chunk(index, delta, None)
       if reason is not None:
         left -= 1
         reasons.append(reason)
-        yield chunk(index, "", reason)
+        yield shape.chunk(index, "", reason)
+    if shape.include_usage:
+      yield shape.usage_chunk(_usage(prompt_tokens, sum(len(t.ids) for t in ch.texts)))
     yield "data: [DONE]\n\n"
   finally:
     for r in rows:
@@ -323,4 +378,4 @@ async def _stream(s: Service, ch: _Choices, rows, rid: str, created: int, start:
     s.metrics.completion_tokens.inc(generated)
     charge(generated)
     s.metrics.finish(reasons if not left else [])
-    s.metrics.latency.labels("/v1/completions").observe(time.monotonic() - start)
+    s.metrics.latency.labels(shape.route).observe(time.monotonic() - start)

@@ -2,6 +2,9 @@
 from `request.app.state.service` (set by `app.create_app`).
 
     POST /v1/completions   OpenAI's legacy completions (+ top_k, num_beams, alpha)
+    POST /v1/chat/completions  OpenAI's chat completions (the checkpoint's chat template)
+    POST /tokenize         {prompt} or {messages} -> the encoder's ids (vLLM's shape)
+    POST /detokenize       {tokens} -> the text
     POST /v1/score         {prompt, targets} -> summed log-likelihoods (T5X's score mode)
     GET  /v1/models        the one served model
     GET  /health           503 until the buckets are compiled (and while draining), then 200
@@ -16,11 +19,13 @@ import os
 import fastapi
 from fastapi import responses
 
-from t5forge.serve import api, batcher as batching, completions as completions_lib
+from t5forge.serve import api, batcher as batching, chat as chat_lib, completions as completions_lib
+from t5forge.serve import tokens as tokens_lib
 from t5forge.serve.service import Service, error_response, resolver
 
 PAGE = os.path.join(os.path.dirname(__file__), "page.html")
-ROUTES = ("/v1/completions", "/v1/score", "/v1/models", "/health", "/metrics", "/")
+ROUTES = ("/v1/completions", "/v1/score", "/v1/models", "/health", "/metrics", "/",
+          "/v1/chat/completions", "/tokenize", "/detokenize")
 
 router = fastapi.APIRouter()
 
@@ -114,3 +119,18 @@ async def score(request: fastapi.Request):
 @router.post("/v1/completions")
 async def completions(request: fastapi.Request):
   return await completions_lib.complete(service_of(request), request)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: fastapi.Request):
+  return await chat_lib.complete(service_of(request), request)
+
+
+@router.post("/tokenize")
+async def tokenize(request: fastapi.Request):
+  return await tokens_lib.tokenize(service_of(request), request)
+
+
+@router.post("/detokenize")
+async def detokenize(request: fastapi.Request):
+  return await tokens_lib.detokenize(service_of(request), request)

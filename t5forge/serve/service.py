@@ -49,6 +49,7 @@ class Service:
   engine: Any = None
   shutdown_timeout: float = 0.0  # SIGTERM: fail what still runs after this (0: finish all)
   created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+  chat_template: Any = None  # a chat_template.ChatTemplate, or None (chat is a 400)
   keys: Any = None            # auth.Keys (--api_key, --api_key_file), or None: open
   limiter: Any = None         # auth.Limiter (--requests_per_second, --tokens_per_minute)
   body_timeout_s: float = 30.0  # a body not read whole by then is a 408 (--body_timeout_s)
