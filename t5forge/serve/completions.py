@@ -341,6 +341,12 @@ async def run(s: Service, request: fastapi.Request, req, ids: list[list[int]], s
   return shape.response(choices, _usage(prompt_tokens, completion_tokens))
 
 
+def _generated(ch: _Choices) -> int:
+  """The tokens the choices decoded, as the unstreamed usage counts them: a stop id that
+  ended a text (<end_of_turn>, left out of it) is one of them."""
+  return sum(len(t.ids) + t.closed for t in ch.texts)
+
+
 async def _stream(s: Service, ch: _Choices, rows, shape: Shape, prompt_tokens: int,
                   start: float, charge):
   """OpenAI's SSE: (chat: a first delta with the role per choice) one `data: {...}` per
@@ -369,12 +375,12 @@ async def _stream(s: Service, ch: _Choices, rows, shape: Shape, prompt_tokens: i
         reasons.append(reason)
         yield shape.chunk(index, "", reason)
     if shape.include_usage:
-      yield shape.usage_chunk(_usage(prompt_tokens, sum(len(t.ids) for t in ch.texts)))
+      yield shape.usage_chunk(_usage(prompt_tokens, _generated(ch)))
     yield "data: [DONE]\n\n"
   finally:
     for r in rows:
       r.cancel()
-    generated = sum(len(t.ids) for t in ch.texts)
+    generated = _generated(ch)
     s.metrics.completion_tokens.inc(generated)
     charge(generated)
     s.metrics.finish(reasons if not left else [])
