@@ -22,6 +22,9 @@ PAGE = os.path.join(ROOT, "t5forge", "serve", "page.html")
 PROMPT = "translate English to Spanish: ¿Quién es? God is love."
 MAX_TOKENS = 6
 KEY = "page-test-key"
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+TURNS = ["God is love.", "Who is he?"]
 
 
 def _complete(base: str, **body) -> dict:
@@ -36,9 +39,14 @@ def _complete(base: str, **body) -> dict:
 def server(tmp_path_factory):
   """`t5forge serve` on a free 127.0.0.1 port over a tiny random T5 whose checkpoint carries
   the bundled SentencePiece vocabulary; few buckets so start-up compiles in seconds. It wants
-  an API key, so the page's key field is exercised too."""
-  ckpt = tiny_checkpoint(str(tmp_path_factory.mktemp("page") / "tiny"))
-  srv = Server(ckpt, *FAST_FLAGS, "--api_key", KEY)
+  an API key, so the page's key field is exercised too, and chats with a plain template
+  (--chat_template)."""
+  d = tmp_path_factory.mktemp("page")
+  ckpt = tiny_checkpoint(str(d / "tiny"))
+  (d / "chat.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
+  # A longer input bucket than FAST_FLAGS' (the last flag wins): a two-turn chat fits.
+  srv = Server(ckpt, *FAST_FLAGS, "--length_buckets", "64", "--api_key", KEY,
+               "--chat_template", str(d / "chat.jinja"))
   try:
     assert request(srv.url, "/health")[0] == 200, srv.output()[-3000:]
     yield srv.url
@@ -165,3 +173,52 @@ def test_page_shows_the_servers_error_message(server, browser):
   _set(browser, "api_key", "not-the-key" + Keys.TAB)
   assert _run(browser, stream=False) == "error"
   assert "wrong API key" in _error(browser)
+
+
+def _chat(base: str, messages: list[dict]) -> dict:
+  status, _, got = request(base, "/v1/chat/completions",
+                           {"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0},
+                           headers={"Authorization": f"Bearer {KEY}"})
+  assert status == 200, got
+  return got["choices"][0]["message"]["content"]
+
+
+def test_chat_tab_streams_a_two_turn_conversation(server, browser):
+  """The Chat tab sends the conversation so far and streams each answer into it: the
+  page's answers are the server's own greedy chat answers to the same two turns."""
+  first = _chat(server, [{"role": "user", "content": TURNS[0]}])
+  second = _chat(server, [{"role": "user", "content": TURNS[0]},
+                          {"role": "assistant", "content": first},
+                          {"role": "user", "content": TURNS[1]}])
+  assert first.strip() and second.strip()  # a random model still says something
+  _open(browser, server)
+  browser.find_element(By.ID, "tab-chat").click()
+  assert browser.find_element(By.ID, "panel-chat").is_displayed()
+  assert not browser.find_element(By.ID, "prompt").is_displayed()
+  _set(browser, "max_tokens", MAX_TOKENS)
+  Select(browser.find_element(By.ID, "method")).select_by_value("greedy")
+  status = browser.find_element(By.ID, "status")
+  for turn, want in zip(TURNS, (first, second)):
+    runs = int(status.get_attribute("data-runs"))
+    _set(browser, "chat-input", turn)
+    browser.find_element(By.ID, "chat-send").click()
+    WebDriverWait(browser, 10).until(lambda d: int(status.get_attribute("data-runs")) == runs + 1)
+    WebDriverWait(browser, 120).until(
+        lambda d: status.get_attribute("data-state") in ("done", "error"))
+    assert status.get_attribute("data-state") == "done", _error(browser)
+    shown = browser.find_elements(By.CSS_SELECTOR, "#chat-log .msg")
+    assert shown[-1].get_attribute("class") == "msg assistant"
+    assert shown[-1].get_property("textContent") == want
+    assert shown[-1].get_attribute("data-finish-reason") in ("stop", "length")
+  roles = [m.get_attribute("class") for m in browser.find_elements(By.CSS_SELECTOR,
+                                                                    "#chat-log .msg")]
+  assert roles == ["msg user", "msg assistant"] * 2
+  texts = [m.get_property("textContent") for m in browser.find_elements(
+      By.CSS_SELECTOR, "#chat-log .msg.user")]
+  assert texts == TURNS
+  # Streamed: the first chunk's time is shown, and the usage of the last turn.
+  assert re.fullmatch(r"latency \d+ ms \(first chunk \d+ ms\)",
+                      browser.find_element(By.ID, "latency").text)
+  assert "prompt +" in browser.find_element(By.ID, "usage").text
+  browser.find_element(By.ID, "tab-complete").click()
+  assert browser.find_element(By.ID, "prompt").is_displayed()
