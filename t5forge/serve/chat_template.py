@@ -126,7 +126,8 @@ class ChatTemplate:
           if _token_text(cfg.get(k)) is not None:
             special[k] = _token_text(cfg[k])
     if not special:  # a t5forge checkpoint: the vocabulary's own pieces
-      for k, i in (("bos_token", vocab.bos_id), ("eos_token", vocab.eos_id),
+      for k, i in (("bos_token", getattr(vocab, "bos_id", None)),
+                   ("eos_token", getattr(vocab, "eos_id", None)),
                    ("unk_token", getattr(vocab, "unk_id", None)),
                    ("pad_token", getattr(vocab, "pad_id", None))):
         if i is not None and i >= 0:
