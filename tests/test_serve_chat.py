@@ -8,6 +8,8 @@ a 400 naming the field. One server per checkpoint serves the module."""
 import io
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import openai
@@ -289,3 +291,10 @@ def test_no_template_is_a_400_that_says_how(tmp_path):
     assert got["tokens"] == vocab.encode("system: Be brief.\nuser: hi\nassistant:")
     status, _, got = _post(srv, "/v1/chat/completions", {"messages": msgs, "max_tokens": 3})
     assert status == 200 and got["choices"][0]["message"]["role"] == "assistant"
+  # A --chat_template that is not there: one line, before the model loads.
+  r = subprocess.run([sys.executable, "-m", "t5forge", "serve", "--checkpoint", ckpt,
+                      "--chat_template", str(tmp_path / "missing.jinja")],
+                     capture_output=True, text=True, timeout=120)
+  assert r.returncode != 0 and r.stderr.strip().splitlines() == [
+      f"t5forge: error: --chat_template {tmp_path / 'missing.jinja'}: no such file; give a "
+      "Jinja chat template file such as a model's chat_template.jinja"], r.stderr

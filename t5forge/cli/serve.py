@@ -235,6 +235,10 @@ def main(argv: list[str]) -> int:
     print(f"warning: API keys on {args.host}: the keys and the prompts travel unencrypted "
           "(this server has no TLS); put a TLS proxy in front (docs/serving.md)",
           file=sys.stderr, flush=True)
+  if args.chat_template is not None and not os.path.isfile(args.chat_template):
+    # Said before the model loads (the template itself is read once it has).
+    raise UserError(f"--chat_template {args.chat_template}: no such file; give a Jinja chat "
+                    "template file such as a model's chat_template.jinja")
   sock = _bind(args.host, args.port)
 
   from t5forge.export import loader as exported  # noqa: PLC0415 (after the flags parse: --help stays fast)
