@@ -438,6 +438,30 @@ class Generator:
                                                    jax.random.key(opts.seed), traced)
     return multihost.to_host(tokens), multihost.to_host(aux["scores"])
 
+  def encode(self, inputs: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """The encoder's last hidden states (what /v1/embeddings pools).
+
+    Args:
+      inputs: [b, i] int32 encoder tokens, 0-padded.
+      valid: [b, i] bool, the positions attended to as keys: the real tokens, or also
+        padding that is content (Flux / SD3's unmasked T5).
+
+    Returns:
+      [b, i, e] float32 numpy.
+    """
+    if not self.is_encoder_decoder:
+      raise UserError("encode needs an encoder-decoder model")
+    inputs, valid = np.asarray(inputs, np.int32), np.asarray(valid, bool)
+    if inputs.ndim != 2 or valid.shape != inputs.shape:
+      raise UserError(f"inputs and valid must be [batch, length] alike, got "
+                      f"{list(inputs.shape)} and {list(valid.shape)}")
+    if "encode" not in self._fns:
+      self._fns["encode"] = jax.jit(self.model.encode)
+    with self._context():
+      placed = self._place({"inputs": inputs, "valid": valid})
+      return multihost.to_host(self._fns["encode"](self.params, placed["inputs"],
+                                                   placed["valid"]))
+
   def warmup(self, kinds, batch_sizes, input_lengths, decode_lengths) -> int:
     """Compiles generation for every combination of the given Kinds and shapes (a run of
     one new token each, so the compiled start and advance functions, or the beam

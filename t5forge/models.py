@@ -251,6 +251,13 @@ class EncoderDecoderModel(BaseModel):
     return DecodeSetup(jnp.zeros((b, length), jnp.int32), init["cache"], None,
                        *self.decode_layout(enc.shape[1], length))
 
+  def encode(self, params: dict, tokens: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+    """The encoder's last hidden states [b, i, e] (float32) of tokens [b, i]; valid [b, i]
+    bool marks the positions attended to as keys (None: tokens > 0)."""
+    net = self.network
+    encoded = net.apply({"params": params}, tokens, method=net.encode, encoder_valid=valid)
+    return encoded.astype(jnp.float32)
+
   def decode_layout(self, input_length: int, length: int) -> tuple[int, int]:
     """(cache_length, offset) of `decode_setup` for inputs [b, input_length] (static)."""
     del input_length

@@ -28,12 +28,14 @@ VARIANTS = {
 }
 
 
-def build_hf_dir(name: str, out_dir: str, seed: int = 0) -> str:
-  """Saves a random-init HF model of the given variant to out_dir; returns out_dir."""
+def build_hf_dir(name: str, out_dir: str, seed: int = 0, **overrides) -> str:
+  """Saves a random-init HF model of the given variant to out_dir; returns out_dir.
+  overrides: config fields to change (e.g. vocab_size=8100 for the bundled vocabulary)."""
   import torch
   import transformers
   from safetensors.torch import load_file, save_file
   family, fields, untie = VARIANTS[name]
+  fields = {**fields, **overrides}
   torch.manual_seed(seed)
   if family == "mt5":
     cfg = transformers.MT5Config(**fields, tie_word_embeddings=untie is None)

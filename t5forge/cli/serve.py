@@ -5,7 +5,7 @@
     t5forge serve --checkpoint ckpt --host 0.0.0.0 --api_key "$KEY"   # behind a TLS proxy
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /tokenize, POST /detokenize,
-POST /v1/score, GET /v1/models, GET /health, GET /metrics,
+POST /v1/score, POST /v1/embeddings, GET /v1/models, GET /health, GET /metrics,
 GET / (a page to try the model). The buckets are compiled at start-up; /health answers
 503 until they are, and the server prints one `ready at URL` line. SIGTERM stops taking
 requests, finishes those in flight and exits 0.
@@ -114,10 +114,11 @@ def _parser() -> argparse.ArgumentParser:
   b.add_argument("--chunk_tokens", type=int, default=4,
                  help="decode steps per compiled call (the engine's step; the static path's "
                  "streamed chunks)")
-  b.add_argument("--warmup", default="greedy",
-                 help="what to compile for every bucket before ready: greedy, sample, score "
-                 "(others compile once per shape on first use; the engine always compiles "
-                 "its greedy and sampling functions)")
+  b.add_argument("--warmup", default="greedy,embed",
+                 help="what to compile for every bucket before ready: greedy, sample, score, "
+                 "embed (the encoder of /v1/embeddings; encoder-decoder checkpoints) (others "
+                 "compile once per shape on first use; the engine always compiles its greedy "
+                 "and sampling functions)")
   e = p.add_argument_group("continuous batching (docs/serving.md)")
   e.add_argument("--scheduler", choices=["auto", "continuous", "static"], default="auto",
                  help="continuous: greedy and sampled requests decode in --slots slots that "
@@ -222,9 +223,9 @@ def main(argv: list[str]) -> int:
   args = _parser().parse_args(argv)
   buckets, limits = _buckets(args)
   warm = [w.strip() for w in args.warmup.split(",") if w.strip()]
-  unknown = sorted(set(warm) - {"greedy", "sample", "score"})
+  unknown = sorted(set(warm) - {"greedy", "sample", "score", "embed"})
   if unknown:
-    raise UserError(f"--warmup {unknown}: choose from greedy, sample, score")
+    raise UserError(f"--warmup {unknown}: choose from greedy, sample, score, embed")
   from t5forge.serve import auth  # noqa: PLC0415 (after the flags parse: --help stays fast)
   # Before anything slow: a bad key file or limit is said at once.
   keys = auth.load_keys(args.api_key, args.api_key_file)
@@ -263,12 +264,18 @@ def main(argv: list[str]) -> int:
   batch = batcher.Batcher(gen, buckets, max_batch_size=args.max_batch_size,
                           max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
                           metrics=metrics, warmup_kinds=kinds,
-                          warmup_score="score" in warm and check_kind is None)
+                          warmup_score="score" in warm and check_kind is None,
+                          warmup_embed=("embed" in warm and check_kind is None
+                                        and gen.is_encoder_decoder))
+  if engine is not None:
+    # The engine counts compilations from its ready on: the batcher's come first.
+    engine.warm_after = batch.ready
   chat_template = _chat_template(args, vocab)
   service = Service(batcher=batch, vocabulary=vocab, kind_cls=kind_cls, model_name=name,
                     limits=limits, metrics=metrics, is_encoder_decoder=gen.is_encoder_decoder,
                     eos_id=gen.eos_id, stop_ids=getattr(gen, "stop_ids", None),
                     check_kind=check_kind, can_score=check_kind is None,
+                    can_embed=check_kind is None,
                     engine=engine, shutdown_timeout=args.shutdown_timeout, keys=keys,
                     limiter=None if rates == (None, None) else auth.Limiter(*rates,
                                                                             metrics=metrics),

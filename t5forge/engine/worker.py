@@ -5,6 +5,9 @@
 `_serve()` (the loop, returning once closed and empty). Callers `start()`, `submit(rows)`
 (all or none; QueueFull / Closed), and read `ready`, `failed`, `compiled_shapes`,
 `queue_depth()`. A row is any object with `enqueued`, `cancelled` and `done(result)`.
+Setting `warm_after` to another worker's `ready` before `start()` makes this one warm up
+after that one is ready (its own `ready` then comes last, so compilations counted from it
+are those of requests only).
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ class QueueWorker:
     self.ready = threading.Event()
     self.failed: BaseException | None = None
     self.compiled_shapes = 0
+    self.warm_after: threading.Event | None = None
     self._thread = threading.Thread(target=self._main, name=name, daemon=True)
 
   def start(self) -> None:
@@ -89,6 +93,8 @@ class QueueWorker:
       r.done(exc)
 
   def _main(self) -> None:
+    if self.warm_after is not None:
+      self.warm_after.wait()  # set on success and on failure alike
     try:
       self.compiled_shapes = self._warmup()
     except BaseException as e:  # noqa: BLE001

@@ -4,7 +4,7 @@ T5Gemma 2): `encode`, `decode` and teacher-forcing `__call__`, and the decoder's
 A family subclasses `EncoderDecoderShell` and builds, in `setup`, its `encoder` and
 `decoder` (and any parameters they share). The shell calls them with keyword arguments:
 
-  encoder(tokens=, segment_ids=, positions=, deterministic=, **shared_inputs())
+  encoder(tokens=, segment_ids=, positions=, valid=, deterministic=, **shared_inputs())
   decoder(encoded=, encoder_tokens=, decoder_input_tokens=, encoder_segment_ids=,
           decoder_segment_ids=, decoder_positions=, deterministic=, decode=,
           max_decode_length=, **shared_inputs())
@@ -37,11 +37,15 @@ class EncoderDecoderShell(nn.Module):
     return {}
 
   def encode(self, encoder_input_tokens, encoder_segment_ids=None, *,
-             enable_dropout: bool = False, encoder_positions=None):
-    """[b, i] int -> [b, i, e_enc]; segment ids / positions [b, i] for packed rows."""
+             enable_dropout: bool = False, encoder_positions=None, encoder_valid=None):
+    """[b, i] int -> [b, i, e_enc]; segment ids / positions [b, i] for packed rows.
+
+    encoder_valid: [b, i] bool, the positions attended to as keys; None: the tokens > 0.
+    Embeddings set it to encode padding as content (Flux / SD3 run T5 on ids padded to
+    a fixed length without an attention mask)."""
     return self.encoder(tokens=encoder_input_tokens, segment_ids=encoder_segment_ids,
-                        positions=encoder_positions, deterministic=not enable_dropout,
-                        **self.shared_inputs())
+                        positions=encoder_positions, valid=encoder_valid,
+                        deterministic=not enable_dropout, **self.shared_inputs())
 
   def decode(self, encoded, encoder_input_tokens, decoder_input_tokens,
              encoder_segment_ids=None, decoder_segment_ids=None, *,
@@ -148,12 +152,13 @@ def decoder_masks(module: nn.Module, encoder_tokens, decoder_input_tokens, encod
   return DecoderMasks(positions, self_mask, local, cross_mask, starts, cache_index)
 
 
-def encoder_mask(tokens, segment_ids):
+def encoder_mask(tokens, segment_ids, valid=None):
   """[b, i] tokens (0 = padding) and segment ids (or None) -> [b, 1, 1 or i, i] bool.
 
   Keys that are padding are masked; padded queries still attend to real keys (as HF),
-  so every row of the softmax has support."""
-  mask = attn.padding_mask(None, tokens > 0)
+  so every row of the softmax has support. valid: [b, i] bool, the keys to attend to
+  instead of tokens > 0 (see `EncoderDecoderShell.encode`), or None."""
+  mask = attn.padding_mask(None, tokens > 0 if valid is None else valid)
   if segment_ids is not None:
     mask = attn.combine_masks(mask, attn.segment_mask(segment_ids, segment_ids))
   return mask

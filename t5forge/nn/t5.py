@@ -73,15 +73,17 @@ class Encoder(nn.Module):
   shared_embedding: Embed
 
   @nn.compact
-  def __call__(self, *, tokens, segment_ids, positions, deterministic: bool):
+  def __call__(self, *, tokens, segment_ids, positions, deterministic: bool, valid=None):
     """tokens [b, i] (0 = padding), segment_ids [b, i] or None -> encoded [b, i, e].
-    T5's relative attention needs no positions (packed segments are contiguous)."""
+    T5's relative attention needs no positions (packed segments are contiguous).
+    valid [b, i] bool: the keys attended to, or None (`EncoderDecoderShell.encode`)."""
     del positions
     cfg = self.config
     length = tokens.shape[-1]
     x = embed(cfg, self.shared_embedding, tokens, deterministic)
     position_bias = relative_position_bias(cfg, bidirectional=True)(length, length)
-    mask_bias = attn.mask_to_bias(encoder_mask(tokens, segment_ids), cfg.activation_dtype)
+    mask_bias = attn.mask_to_bias(encoder_mask(tokens, segment_ids, valid),
+                                  cfg.activation_dtype)
     x = layer_stack(EncoderLayer, num_layers=cfg.num_encoder_layers, scan=cfg.scan_layers,
                     remat_policy=cfg.remat_policy, layer_kwargs=dict(config=cfg), x=x,
                     args=dict(position_bias=position_bias, mask_bias=mask_bias),

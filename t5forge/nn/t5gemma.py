@@ -102,8 +102,9 @@ class Encoder(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, *, tokens, segment_ids, positions, deterministic: bool):
-    """tokens [b, i] (0 = padding), segment_ids / positions [b, i] or None -> [b, i, e]."""
+  def __call__(self, *, tokens, segment_ids, positions, deterministic: bool, valid=None):
+    """tokens [b, i] (0 = padding), segment_ids / positions [b, i] or None -> [b, i, e];
+    valid [b, i] bool: the keys attended to, or None (`EncoderDecoderShell.encode`)."""
     cfg = self.config
     enc = cfg.encoder
     length = tokens.shape[-1]
@@ -111,7 +112,7 @@ class Encoder(nn.Module):
                      dtype=cfg.activation_dtype, embedding_init=EMBED_INIT,
                      name="token_embedder")
     x = embed(enc, embedder, tokens, deterministic, scaled=True)
-    mask = encoder_mask(tokens, segment_ids)
+    mask = encoder_mask(tokens, segment_ids, valid)
     local = None
     if cfg.sliding_window is not None:
       idx = jnp.arange(length)

@@ -183,14 +183,16 @@ class Encoder(nn.Module):
   embedder: Embed
 
   @nn.compact
-  def __call__(self, *, tokens, segment_ids, positions, eoi, deterministic: bool):
+  def __call__(self, *, tokens, segment_ids, positions, eoi, deterministic: bool,
+               valid=None):
     """tokens [b, i] (0 = padding), segment_ids / positions [b, i] or None -> [b, i, e];
-    eoi [e]: the input vector of eoi_token_id, or None."""
+    eoi [e]: the input vector of eoi_token_id, or None; valid [b, i] bool: the keys
+    attended to, or None (`EncoderDecoderShell.encode`)."""
     cfg = self.config
     enc = cfg.encoder
     length = tokens.shape[-1]
     x = embed(enc, self.embedder, tokens, deterministic, scaled=True, eoi=eoi)
-    mask = encoder_mask(tokens, segment_ids)
+    mask = encoder_mask(tokens, segment_ids, valid)
     local = (None if cfg.sliding_window is None
              else attn.combine_masks(mask, _encoder_window_mask(length, cfg.sliding_window)))
     if positions is None:

@@ -14,7 +14,9 @@ max_tokens, temperature and top_p travel as [b] arrays, so rows with different v
 share a batch.
 
 Groups (what may share a batch): rows of one `generation.Kind` (method, samples or beams,
-top_k, top_logprobs); beam rows also by alpha; score rows together. A sampled row with an
+top_k, top_logprobs); beam rows also by alpha; score rows together; embedding rows
+together, whatever their lengths and options (one `Generator.encode` call; each row
+attends to its own keys only, so its hidden states do not depend on its batch). A sampled row with an
 explicit `seed` batches only with the other rows of its own request, padded to the batch
 bucket of that request's size: its output then depends on the request and the seed only,
 never on which other requests happened to arrive with it.
@@ -47,6 +49,8 @@ class Row:
     group: what the row may batch with (see the module docstring).
     ids: encoder tokens ending in EOS (decoder-only: [0, prompt...]).
     target_ids: score rows only: the target tokens ending in EOS.
+    attended: embedding rows only: how many leading positions of `ids` are attended to
+      as keys (its real tokens, or all of `ids` when its padding is content).
     on_chunk: streaming rows: called with (tokens [n, l], lengths [n], finished [n]) as
       decoding goes on (copies, the caller may keep them).
   """
@@ -60,6 +64,7 @@ class Row:
   min_log_prob: float | None = None  # beam rows: stop below this (None: never)
   seed: int | None = None
   target_ids: list[int] | None = None
+  attended: int | None = None
   on_chunk: Callable | None = None
   done: Callable = lambda result: None
   enqueued: float = dataclasses.field(default_factory=time.monotonic)
@@ -74,7 +79,8 @@ class Row:
 class RowResult:
   """One row's share of `generation.Generated` (the row axis removed): tokens [n, l],
   scores [n], token_logprobs [n, l] | None, top_ids / top_logprobs [n, l, k] | None,
-  lengths [n], finished [n]; for score rows only `score`."""
+  lengths [n], finished [n]; for score rows only `score`; for embedding rows only
+  `hidden`, the encoder's last hidden states [len(ids), e] (float32)."""
   tokens: np.ndarray | None = None
   scores: np.ndarray | None = None
   token_logprobs: np.ndarray | None = None
@@ -83,6 +89,7 @@ class RowResult:
   lengths: np.ndarray | None = None
   finished: np.ndarray | None = None
   score: float | None = None
+  hidden: np.ndarray | None = None
 
 
 def bucket(buckets: list[int], size: int) -> int:
@@ -101,6 +108,7 @@ class Buckets:
 
 
 SCORE = "score"
+EMBED = "embed"
 
 
 class Batcher(QueueWorker):
@@ -114,17 +122,19 @@ class Batcher(QueueWorker):
     max_wait_ms: how long the oldest row waits for company.
     max_queue: rows that may wait; more is QueueFull (HTTP 503 + Retry-After).
     metrics: a `metrics.Metrics`, or None.
-    warmup_kinds, warmup_score: what is compiled before `ready` is set.
+    warmup_kinds, warmup_score, warmup_embed: what is compiled before `ready` is set.
   """
 
   def __init__(self, generator, buckets: Buckets, *, max_batch_size: int = 16,
                max_wait_ms: float = 10.0, max_queue: int = 256, metrics=None,
-               warmup_kinds=(), warmup_score: bool = False, on_ready: Callable | None = None):
+               warmup_kinds=(), warmup_score: bool = False, warmup_embed: bool = False,
+               on_ready: Callable | None = None):
     super().__init__(name="t5forge-batcher", max_queue=max_queue, metrics=metrics,
                      on_ready=on_ready)
     self.generator, self.buckets = generator, buckets
     self.max_batch_size, self.max_wait = max_batch_size, max_wait_ms / 1000.0
     self._warmup_kinds, self._warmup_score = tuple(warmup_kinds), warmup_score
+    self._warmup_embed = warmup_embed
     self._free_since = 0.0  # monotonic time the last batch finished
     self._seeds = itertools.count(random.SystemRandom().randrange(2 ** 30))
 
@@ -157,6 +167,11 @@ class Batcher(QueueWorker):
           for t in b.decode:
             self.generator.score(np.ones((size, i), np.int32), np.ones((size, t), np.int32))
             n += 1
+    if self._warmup_embed:
+      for size in b.batch:
+        for i in b.length:
+          self.generator.encode(np.ones((size, i), np.int32), np.ones((size, i), bool))
+          n += 1
     return n
 
   def _take(self) -> list[Row] | None:
@@ -202,6 +217,8 @@ class Batcher(QueueWorker):
     try:
       if rows[0].group == SCORE:
         results = self._score(rows)
+      elif rows[0].group == EMBED:
+        results = self._embed(rows)
       else:
         results = self._generate(rows)
     except Exception as e:  # noqa: BLE001
@@ -266,3 +283,17 @@ class Batcher(QueueWorker):
     targets[len(rows):, 0] = self.generator.eos_id
     scores = np.asarray(self.generator.score(inputs, targets))
     return [RowResult(score=float(scores[i])) for i in range(len(rows))]
+
+  def _embed(self, rows: list[Row]) -> list[RowResult]:
+    size = bucket(list(self.buckets.batch), len(rows))
+    width = bucket(list(self.buckets.length), max(len(r.ids) for r in rows))
+    inputs = np.zeros((size, width), np.int32)
+    valid = np.zeros((size, width), bool)
+    for i, r in enumerate(rows):
+      inputs[i, :len(r.ids)] = r.ids
+      valid[i, :r.attended] = True
+    # Padding rows: a lone EOS (one key, so that their softmax rows have support).
+    inputs[len(rows):, 0] = self.generator.eos_id
+    valid[len(rows):, 0] = True
+    hidden = self.generator.encode(inputs, valid)
+    return [RowResult(hidden=np.asarray(hidden[i, :len(r.ids)])) for i, r in enumerate(rows)]

@@ -6,6 +6,7 @@ from `request.app.state.service` (set by `app.create_app`).
     POST /tokenize         {prompt} or {messages} -> the encoder's ids (vLLM's shape)
     POST /detokenize       {tokens} -> the text
     POST /v1/score         {prompt, targets} -> summed log-likelihoods (T5X's score mode)
+    POST /v1/embeddings    OpenAI's embeddings from the encoder (+ pooling, padding)
     GET  /v1/models        the one served model
     GET  /health           503 until the buckets are compiled (and while draining), then 200
     GET  /metrics          Prometheus text format
@@ -20,12 +21,12 @@ import fastapi
 from fastapi import responses
 
 from t5forge.serve import api, batcher as batching, chat as chat_lib, completions as completions_lib
-from t5forge.serve import tokens as tokens_lib
+from t5forge.serve import embeddings as embeddings_lib, tokens as tokens_lib
 from t5forge.serve.service import Service, error_response, resolver
 
 PAGE = os.path.join(os.path.dirname(__file__), "page.html")
 ROUTES = ("/v1/completions", "/v1/score", "/v1/models", "/health", "/metrics", "/",
-          "/v1/chat/completions", "/tokenize", "/detokenize")
+          "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/embeddings")
 
 router = fastapi.APIRouter()
 
@@ -134,3 +135,8 @@ async def tokenize(request: fastapi.Request):
 @router.post("/detokenize")
 async def detokenize(request: fastapi.Request):
   return await tokens_lib.detokenize(service_of(request), request)
+
+
+@router.post("/v1/embeddings")
+async def embeddings(request: fastapi.Request):
+  return await embeddings_lib.create(service_of(request), request)

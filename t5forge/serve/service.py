@@ -31,8 +31,8 @@ def error_response(status: int, message: str, **kw) -> responses.JSONResponse:
 @dataclasses.dataclass
 class Service:
   """What the routes need. `kind_cls` is `generation.Kind` (or the exported backend's,
-  with `check_kind` refusing what an export cannot run and `can_score` False). `engine`
-  is None with --scheduler static (and for exports and decoder-only models)."""
+  with `check_kind` refusing what an export cannot run and `can_score`, `can_embed` False).
+  `engine` is None with --scheduler static (and for exports and decoder-only models)."""
   batcher: batching.Batcher
   vocabulary: Any
   kind_cls: Any
@@ -45,6 +45,7 @@ class Service:
   api_key: str | None = None
   check_kind: Any = None      # callable(kind) raising ValueError: what the backend cannot run
   can_score: bool = True
+  can_embed: bool = True      # False: an export, which holds no encoder function
   draining: bool = False
   engine: Any = None
   shutdown_timeout: float = 0.0  # SIGTERM: fail what still runs after this (0: finish all)
