@@ -59,6 +59,15 @@ class EmbeddingRequest(pydantic.BaseModel):
   dimensions: int | None = None
   user: str | None = None
 
+  @pydantic.field_validator("input", mode="before")
+  @classmethod
+  def _input_kind(cls, v):
+    # The union's own message would name one member ("a valid string") only.
+    if not isinstance(v, (str, list)):
+      raise ValueError(f"input must be a string, a list of strings, a list of token ids or a "
+                       f"list of token-id lists, got {type(v).__name__}")
+    return v
+
 
 @dataclasses.dataclass
 class Inputs:
