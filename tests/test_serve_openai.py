@@ -243,5 +243,7 @@ def test_exported_directory_serves_the_same_texts(ckpt, client, tmp_path):
     assert status == 400 and body["error"]["param"] == "temperature", body
     status, _, body = sh.request(srv.url, "/v1/score", {"prompt": "x", "targets": "y"})
     assert status == 400 and body["error"]["code"] == "unsupported", body
+    status, _, body = sh.request(srv.url, "/v1/embeddings", {"input": "x"})
+    assert status == 400 and body["error"]["code"] == "unsupported", body
   finally:
     assert srv.stop() == 0, srv.output()[-3000:]
