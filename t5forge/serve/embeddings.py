@@ -208,6 +208,7 @@ async def create(s: Service, request: fastapi.Request) -> dict:
   s.submit(rows)
   tokens = sum(inputs.counts)
   s.metrics.prompt_tokens.inc(tokens)
+  s.charge(request, tokens)  # the key's --tokens_per_minute
   results = await asyncio.gather(*futs)
   data = [{"object": "embedding", "index": i,
            "embedding": serialize(pool(r.hidden, n, req.pooling, req.normalize),
