@@ -85,6 +85,8 @@ class Row:
       whatever else runs beside them.
     sample: which of a request's samples this row is (folded into its key).
     priority: lower is admitted first.
+    min_tokens: the stop ids cannot be drawn before this many new tokens.
+    ignore_eos: a stop id does not end the row: it writes max_new_tokens tokens.
   """
   ids: list[int]
   max_new_tokens: int
@@ -94,6 +96,8 @@ class Row:
   seed: int = 0
   sample: int = 0
   priority: int = 0
+  min_tokens: int = 0
+  ignore_eos: bool = False
   on_tokens: Callable | None = None
   done: Callable = lambda result: None
   enqueued: float = dataclasses.field(default_factory=time.monotonic)
@@ -283,7 +287,8 @@ class Engine(QueueWorker):
       for r, _ in admitted:
         self.metrics.queue_time.observe(start - r.enqueued)
     rows = [InsertRow(ids=r.ids, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                      top_k=r.top_k, top_p=r.top_p, seed=r.seed, sample=r.sample)
+                      top_k=r.top_k, top_p=r.top_p, seed=r.seed, sample=r.sample,
+                      min_tokens=r.min_tokens, ignore_eos=r.ignore_eos)
             for r, _ in admitted]
     try:
       self.slots.insert(rows, [s for _, s in admitted])
@@ -356,7 +361,7 @@ class Engine(QueueWorker):
           except Exception as e:  # noqa: BLE001
             finished.append((slot, r, e))
             continue
-      ended = bool(n) and self._is_stop(toks[-1])
+      ended = bool(n) and not r.ignore_eos and self._is_stop(toks[-1])
       if ended or stop or len(r.out.tokens) >= r.max_new_tokens or (not n):
         r.out.finished = ended
         finished.append((slot, r, r.out))

@@ -10,7 +10,7 @@ functions that act on them.
 A slot holds one decode: the decoder's cache (its self-attention keys/values, the
 encoder's keys/values projected once at insert, the encoder's padding mask, and its own
 position), its last token, how many tokens it may still write, its sampling options and
-its PRNG key. Everything is one pytree (`SlotState`) that both functions take donated,
+its PRNG key, and vLLM's decode controls (min_tokens, ignore_eos). Everything is one pytree (`SlotState`) that both functions take donated,
 so XLA updates it in place; with a partitioner its slot axis is split over the data
 axes.
 
@@ -53,6 +53,8 @@ class SlotState(NamedTuple):
   top_k: jax.Array  # [s] int32 (0: off)
   top_p: jax.Array  # [s] float32 (0 or 1: off)
   key: jax.Array  # [s, 2] uint32 the row's key (`jax.random.key_data`)
+  min_tokens: jax.Array  # [s] int32 stop ids cannot be drawn before this many new tokens
+  ignore_eos: jax.Array  # [s] bool: a stop id does not end the row (it runs to its limit)
 
 
 class StepOut(NamedTuple):
@@ -75,6 +77,8 @@ class InsertRow:
   top_p: float = 1.0
   seed: int = 0
   sample: int = 0  # which of a request's n samples
+  min_tokens: int = 0  # stop ids are masked until this many new tokens (vLLM's min_tokens)
+  ignore_eos: bool = False  # stop ids do not end the row (vLLM's ignore_eos)
 
 
 def _leaf_name(path) -> str:
@@ -191,7 +195,8 @@ class Slots:
     return SlotState(cache=cache, token=vec(jnp.int32), limit=vec(jnp.int32),
                      ended=vec(bool), active=vec(bool), temperature=vec(jnp.float32),
                      top_k=vec(jnp.int32), top_p=vec(jnp.float32),
-                     key=jax.ShapeDtypeStruct((s,) + self._key_shape, jnp.uint32))
+                     key=jax.ShapeDtypeStruct((s,) + self._key_shape, jnp.uint32),
+                     min_tokens=vec(jnp.int32), ignore_eos=vec(bool))
 
   def _state_shardings(self):
     """Slot axes split over the data axes when s divides them, else replicated."""
@@ -222,7 +227,7 @@ class Slots:
 
   # -- compiled functions ---------------------------------------------------------------------
   def _insert_fn(self, params, state: SlotState, tokens, at, limit, temperature, top_k, top_p,
-                 seed, sample) -> SlotState:
+                 seed, sample, min_tokens, ignore_eos) -> SlotState:
     """Encodes tokens [e, i] and writes the rows into slots `at` [e] (an index >= s
     writes nothing: a padding row). The other arguments are [e]."""
     new = self._new_cache(params, tokens)
@@ -250,11 +255,18 @@ class Slots:
                      active=set_(state.active, jnp.ones((e,), bool)),
                      temperature=set_(state.temperature, temperature),
                      top_k=set_(state.top_k, top_k), top_p=set_(state.top_p, top_p),
-                     key=set_(state.key, keys))
+                     key=set_(state.key, keys), min_tokens=set_(state.min_tokens, min_tokens),
+                     ignore_eos=set_(state.ignore_eos, ignore_eos))
 
   def _index_of(self, cache):
     return next(x for path, x in jax.tree_util.tree_flatten_with_path(cache)[0]
                 if _leaf_name(path) == "index")
+
+  def _mask_stops(self, logits, rows):
+    """logits [s, v] with the stop ids of `rows` [s] bool set to -inf."""
+    stops = jnp.asarray(np.reshape(self.stop_ids, -1), jnp.int32)
+    hit = jnp.zeros((logits.shape[-1],), bool).at[stops].set(True)
+    return jnp.where(rows[:, None] & hit[None, :], -jnp.inf, logits)
 
   def _step_fn(self, params, state: SlotState, free):
     """k decode steps of every running slot; `free` [s] bool marks slots to release
@@ -270,6 +282,11 @@ class Slots:
           cur_index=pos, sequences=st.token[:, None], cur_token=st.token[:, None],
           cache=st.cache))
       logits = logits.astype(jnp.float32)
+      # min_tokens: a row's stop ids get no mass before it wrote that many tokens (as
+      # transformers' MinNewTokensLengthLogitsProcessor); skipped when no row asks.
+      early = running & (pos < st.min_tokens)
+      logits = lax.cond(jnp.any(early), lambda: self._mask_stops(logits, early),
+                        lambda: logits)
       lp = jax.nn.log_softmax(logits, axis=-1)
       token, token_lp = sample_tokens(logits, lp, st.key, pos, st.temperature, st.top_k,
                                       st.top_p, running)
@@ -278,8 +295,9 @@ class Slots:
       cache = jax.tree_util.tree_map_with_path(
           lambda path, x: jnp.where(running, pos + 1, pos) if _leaf_name(path) == "index"
           else x, cache)
+      ends = running & ~st.ignore_eos & decoding.is_eos(token, self.stop_ids)
       st = st._replace(cache=cache, token=jnp.where(running, token, st.token),
-                       ended=st.ended | (running & decoding.is_eos(token, self.stop_ids)))
+                       ended=st.ended | ends)
       return st, (token, token_lp, top_ids.astype(jnp.int32), top_lp, running)
 
     state, outs = lax.scan(one, state, None, length=self.steps)
@@ -339,7 +357,8 @@ class Slots:
     cols = {"at": np.full((size,), s, np.int32), "limit": np.ones((size,), np.int32),
             "temperature": np.zeros((size,), np.float32), "top_k": np.zeros((size,), np.int32),
             "top_p": np.ones((size,), np.float32), "seed": np.zeros((size,), np.uint32),
-            "sample": np.zeros((size,), np.int32)}
+            "sample": np.zeros((size,), np.int32), "min_tokens": np.zeros((size,), np.int32),
+            "ignore_eos": np.zeros((size,), bool)}
     for j, (r, slot) in enumerate(part):
       tokens[j, :] = 0
       tokens[j, :len(r.ids)] = r.ids
@@ -347,10 +366,12 @@ class Slots:
       cols["temperature"][j], cols["top_k"][j], cols["top_p"][j] = (
           r.temperature, r.top_k, r.top_p)
       cols["seed"][j], cols["sample"][j] = np.uint32(r.seed % 2 ** 32), r.sample
+      cols["min_tokens"][j], cols["ignore_eos"][j] = r.min_tokens, r.ignore_eos
     with self._context():
       self.state = self._insert(self.params, self.state, tokens, cols["at"], cols["limit"],
                                 cols["temperature"], cols["top_k"], cols["top_p"],
-                                cols["seed"], cols["sample"])
+                                cols["seed"], cols["sample"], cols["min_tokens"],
+                                cols["ignore_eos"])
 
   def step(self, free: np.ndarray | None = None) -> StepOut:
     """Runs k steps (after releasing the slots marked in `free` [s]); blocks for the
