@@ -10,10 +10,11 @@ Limits that depend on the server's flags (`Limits`) are checked after the types.
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Literal
 
 import pydantic
+
+from t5forge.serve import body as body_lib
 
 
 class ApiError(Exception):
@@ -47,6 +48,13 @@ class Limits:
 _Strict = pydantic.ConfigDict(extra="forbid", strict=True)
 
 
+class StreamOptions(pydantic.BaseModel):
+  """OpenAI's `stream_options`: include_usage adds a last chunk with the usage."""
+  model_config = _Strict
+
+  include_usage: bool | None = None
+
+
 class CompletionRequest(pydantic.BaseModel):
   """OpenAI's legacy completions request, plus T5 extensions (top_k, num_beams, alpha).
 
@@ -56,7 +64,8 @@ class CompletionRequest(pydantic.BaseModel):
   model_config = _Strict
 
   model: str | None = None
-  prompt: str | list[str]
+  # text, texts, or token ids as the encoder takes them (one list, or one per prompt)
+  prompt: str | list[str] | list[int] | list[list[int]]
   max_tokens: int | None = None    # default: OpenAI's 16, or the server's limit if lower
   temperature: float = 1.0
   top_p: float = 1.0
@@ -72,8 +81,21 @@ class CompletionRequest(pydantic.BaseModel):
   alpha: float = 0.6
   min_log_prob: float | None = None   # beams only: stop once the best beam falls below (T5X)
   priority: int = 0                   # lower is served first (as vLLM); engine rows only
+  # Client compatibility (serve/compat.py): vLLM's decode controls, OpenAI's stream options,
+  # and fields accepted only at the value that changes nothing.
+  ignore_eos: bool = False
+  min_tokens: int = 0
+  stream_options: StreamOptions | None = None
+  best_of: int | None = None
+  repetition_penalty: float | None = None
+  presence_penalty: float | None = None
+  frequency_penalty: float | None = None
+  logit_bias: dict[str, float] | None = None
+  suffix: str | None = None
 
-  @pydantic.field_validator("temperature", "top_p", "alpha", "min_log_prob", mode="before")
+  @pydantic.field_validator("temperature", "top_p", "alpha", "min_log_prob",
+                            "repetition_penalty", "presence_penalty", "frequency_penalty",
+                            mode="before")
   @classmethod
   def _int_is_float(cls, v):
     # strict mode refuses 1 for a float field; JSON clients send 1 for 1.0.
@@ -111,7 +133,9 @@ def parse(model_cls, raw: bytes, content_type: str | None):
     raise ApiError(415, f"Content-Type must be application/json, got {content_type!r}",
                    param="Content-Type", code="unsupported_media_type")
   try:
-    data = json.loads(raw)
+    data = body_lib.loads(raw)
+  except body_lib.BadBody as e:
+    raise ApiError(400, str(e), param=e.param, code="invalid_value") from None
   except (ValueError, UnicodeDecodeError) as e:
     raise ApiError(400, f"the request body is not valid JSON: {e}", param="body",
                    code="invalid_json") from None
@@ -146,18 +170,31 @@ def as_list(x) -> list[str]:
   return [x] if isinstance(x, str) else list(x)
 
 
+def prompt_list(prompt) -> list:
+  """A completion's prompts: each a string or a token-id list (a flat list of ints is one
+  prompt, as OpenAI reads it)."""
+  if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+    return [prompt]
+  return list(prompt)
+
+
+def prompt_param(prompt, i: int) -> str:
+  """The field that names prompt i: `prompt` when the request has one, else `prompt[i]`."""
+  return "prompt" if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) \
+      else f"prompt[{i}]"
+
+
 def check_completion(req: CompletionRequest, limits: Limits) -> None:
   """Value checks of a typed completion request (ranges, combinations, limits)."""
-  prompts = as_list(req.prompt)
+  prompts = prompt_list(req.prompt)
   if not prompts:
     raise _bad("prompt must not be an empty list", "prompt")
   if len(prompts) > limits.max_prompts:
     raise _bad(f"at most {limits.max_prompts} prompts per request, got {len(prompts)}", "prompt")
   for i, p in enumerate(prompts):
-    if not p.strip():
-      raise _bad("prompt must not be empty" if isinstance(req.prompt, str)
-                 else f"prompt[{i}] must not be empty",
-                 "prompt" if isinstance(req.prompt, str) else f"prompt[{i}]")
+    if not (p.strip() if isinstance(p, str) else p):
+      param = prompt_param(req.prompt, i)
+      raise _bad(f"{param} must not be empty", param)
   if req.max_tokens is None:
     req.max_tokens = min(16, limits.max_tokens)
   if req.max_tokens < 1:

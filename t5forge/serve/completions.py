@@ -28,10 +28,10 @@ import fastapi
 from fastapi import responses
 
 from t5forge import engine as engine_lib
-from t5forge.serve import api
+from t5forge.serve import api, compat
 from t5forge.serve import batcher as batching
 from t5forge.serve.service import Service, resolver
-from t5forge.serve.text import Choice, ChoiceText, logprobs
+from t5forge.serve.text import Choice, ChoiceText, LogprobStream, logprobs
 
 
 class Plan:
@@ -69,18 +69,20 @@ def _check_kind(s: Service, plan: Plan) -> None:
     raise api.ApiError(400, str(e), param=param, code="unsupported") from None
 
 
-def encode_capped(s: Service, req: api.CompletionRequest, prompts: list,
-                  encode=None) -> list[list[int]]:
-  """Each prompt's ids, tokenized one at a time and refused (400) as soon as the request's
+def encode_capped(s: Service, req: api.CompletionRequest) -> list[list[int]]:
+  """A completion's prompt (a string, strings, token ids or lists of them) -> the encoder
+  ids of each prompt, tokenized one at a time and refused (400) as soon as the request's
   tokens (the prompts so far plus n completions of max_tokens each) are over
   --max_request_tokens: a request over the cap costs no more tokenizing than it took to
-  see that. `encode(prompt, param)`: how a prompt becomes ids (default `s.encode`)."""
-  encode = encode or s.encode
+  see that. A prompt too long or an id outside the vocabulary is a 400 naming `prompt` /
+  `prompt[i]`."""
   cap = s.limits.max_request_tokens
   choices = max(req.n, req.num_beams)
+  prompts = api.prompt_list(req.prompt)
   ids, cost = [], 0
   for i, p in enumerate(prompts):
-    x = encode(p, "prompt" if isinstance(req.prompt, str) else f"prompt[{i}]")
+    param = api.prompt_param(req.prompt, i)
+    x = s.encode(p, param) if isinstance(p, str) else s.encode_ids(p, param)
     ids.append(x)
     cost += len(x) + choices * req.max_tokens
     if cap is not None and cost > cap:
@@ -95,37 +97,54 @@ def encode_capped(s: Service, req: api.CompletionRequest, prompts: list,
 class _Choices:
   """The choices of one request as their tokens arrive (on a worker thread): each has a
   `ChoiceText`; text deltas and endings go to the event loop's `events` queue when
-  streaming, and each choice's `Choice` (or exception) settles its future."""
+  streaming, and each choice's `Choice` (or exception) settles its future. With
+  `logprobs` (k, streaming on the engine) each event also carries its tokens' piece of
+  the logprobs object (`LogprobStream`); `counts` are the tokens each choice decoded."""
 
-  def __init__(self, s: Service, loop, count: int, stops: list[str], stream: bool):
+  def __init__(self, s: Service, loop, count: int, stops: list[str], stream: bool,
+               logprobs_k: int | None = None, ignore_eos: bool = False):
     self.loop = loop
-    self.texts = [ChoiceText(s.vocabulary, stops, s.stop_ids) for _ in range(count)]
+    self.texts = [ChoiceText(s.vocabulary, stops, s.stop_ids, skip_stop_ids=ignore_eos)
+                  for _ in range(count)]
     self.futs = [loop.create_future() for _ in range(count)]
     self.events: asyncio.Queue | None = asyncio.Queue() if stream else None
+    self.lps = (None if logprobs_k is None or not stream else
+                [LogprobStream(s.vocabulary, logprobs_k) for _ in range(count)])
+    self.counts = [0] * count
 
-  def _emit(self, index: int, delta: str, reason: str | None) -> None:
-    if self.events is not None and (delta or reason):
-      self.loop.call_soon_threadsafe(self.events.put_nowait, (index, delta, reason))
+  def _emit(self, index: int, delta: str, reason: str | None, lp=None) -> None:
+    if self.events is not None and (delta or reason or (lp and lp["tokens"])):
+      self.loop.call_soon_threadsafe(self.events.put_nowait, (index, delta, reason, lp))
 
-  def tokens(self, indices: list[int], new_ids: list[int]) -> bool:
-    """New tokens of the choices `indices` (one decode); -> True once the text stopped."""
+  def tokens(self, indices: list[int], new_ids: list[int], lp_parts=None) -> bool:
+    """New tokens of the choices `indices` (one decode), with (log-probs, top ids, top
+    log-probs) when streaming logprobs; -> True once the text stopped."""
     text = self.texts[indices[0]]
     delta = text.feed(new_ids)
+    lp = None
+    if self.lps is not None:
+      stream = self.lps[indices[0]]
+      stream.add(new_ids, *lp_parts)
+      lp = stream.release(text.sent)
     for i in indices:
-      self._emit(i, delta, None)
+      self.counts[i] += len(new_ids)
+      self._emit(i, delta, None, lp)
     return text.stopped or text.closed
 
   def done(self, indices: list[int], result) -> None:
     """Settles the choices with a `Choice` or an exception."""
     if isinstance(result, BaseException):
       if self.events is not None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (indices[0], result, "error"))
+        self.loop.call_soon_threadsafe(self.events.put_nowait,
+                                       (indices[0], result, "error", None))
     else:
       text = self.texts[indices[0]]
       delta = text.finish()
       reason = text.finish_reason(result.finished)
+      lp = (None if self.lps is None else
+            self.lps[indices[0]].finish(len(text.final_text)))
       for i in indices:
-        self._emit(i, delta, reason)
+        self._emit(i, delta, reason, lp)
     for i in indices:
       resolver(self.loop, self.futs[i])(result)
 
@@ -142,8 +161,7 @@ def _engine_rows(s: Service, req, plan: Plan, ids, ch: _Choices) -> list:
       for i in indices[1:]:  # greedy n > 1: one decode, its text n times
         ch.texts[i] = ch.texts[indices[0]]
       def on_tokens(toks, lps, tids, tlps, indices=indices):
-        del lps, tids, tlps
-        return ch.tokens(indices, toks)
+        return ch.tokens(indices, toks, (lps, tids, tlps))
 
       def done(result, indices=indices):
         if not isinstance(result, BaseException):
@@ -156,7 +174,8 @@ def _engine_rows(s: Service, req, plan: Plan, ids, ch: _Choices) -> list:
           ids=x, max_new_tokens=req.max_tokens,
           temperature=0.0 if plan.kind.method == "greedy" else req.temperature,
           top_k=req.top_k, top_p=req.top_p, seed=seed, sample=j, priority=req.priority,
-          on_tokens=on_tokens, done=done))
+          min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, on_tokens=on_tokens,
+          done=done))
   return rows
 
 
@@ -230,12 +249,11 @@ async def complete(s: Service, request: fastapi.Request):
                   request.headers.get("content-type"))
   api.check_completion(req, s.limits)
   s.check_model(req.model)
-  if req.stream and req.logprobs is not None:
-    raise api.ApiError(400, "logprobs are not sent with stream=true on this server; ask "
-                       "without streaming", param="logprobs", code="unsupported")
-  prompts = api.as_list(req.prompt)
-  ids = encode_capped(s, req, prompts)
-  return await run(s, request, req, ids, Shape(s.model_name, chat=False), start=start)
+  compat.check(req, on_engine=s.engine is not None and req.num_beams == 1)
+  ids = encode_capped(s, req)
+  usage = bool(req.stream_options and req.stream_options.include_usage)
+  return await run(s, request, req, ids, Shape(s.model_name, chat=False, include_usage=usage),
+                   start=start)
 
 
 class Shape:
@@ -262,15 +280,16 @@ class Shape:
               "logprobs": lp, "finish_reason": reason}
     return {"text": text, "index": index, "logprobs": lp, "finish_reason": reason}
 
-  def chunk(self, index: int, text: str | None, reason: str | None) -> str:
-    """One SSE event; chat: text None is the first delta (the role)."""
+  def chunk(self, index: int, text: str | None, reason: str | None, lp=None) -> str:
+    """One SSE event (with its tokens' piece of the logprobs object `lp`, if any); chat:
+    text None is the first delta (the role)."""
     if self.chat:
       delta = ({"role": "assistant", "content": ""} if text is None else
                {"content": text} if text else {})
-      choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+      choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
       head = self._head("chat.completion.chunk")
     else:
-      choice = {"text": text or "", "index": index, "logprobs": None, "finish_reason": reason}
+      choice = {"text": text or "", "index": index, "logprobs": lp, "finish_reason": reason}
       head = self._head("text_completion")
     body = {**head, "choices": [choice]}
     if self.include_usage:
@@ -297,7 +316,8 @@ async def run(s: Service, request: fastapi.Request, req, ids: list[list[int]], s
   _check_kind(s, plan)
   stops = [] if req.stop is None else api.as_list(req.stop)
   n = len(plan.sources)
-  ch = _Choices(s, asyncio.get_running_loop(), len(ids) * n, stops, req.stream)
+  ch = _Choices(s, asyncio.get_running_loop(), len(ids) * n, stops, req.stream,
+                req.logprobs, req.ignore_eos)
   if s.engine is not None and plan.kind.method != "beam":
     rows = _engine_rows(s, req, plan, ids, ch)
     s.submit_engine(rows)
@@ -343,14 +363,15 @@ async def run(s: Service, request: fastapi.Request, req, ids: list[list[int]], s
 
 def _generated(ch: _Choices) -> int:
   """The tokens the choices decoded, as the unstreamed usage counts them: a stop id that
-  ended a text (<end_of_turn>, left out of it) is one of them."""
-  return sum(len(t.ids) + t.closed for t in ch.texts)
+  ended a text (<end_of_turn>, left out of it) is one of them, and so are those that
+  `ignore_eos` decoded past."""
+  return sum(ch.counts)
 
 
 async def _stream(s: Service, ch: _Choices, rows, shape: Shape, prompt_tokens: int,
                   start: float, charge):
   """OpenAI's SSE: (chat: a first delta with the role per choice) one `data: {...}` per
-  text delta of a choice, its finish_reason in a last chunk, (stream_options.include_usage:
+  text delta of a choice (with its tokens' logprobs when asked), its finish_reason in a last chunk, (stream_options.include_usage:
   a chunk with the usage and no choices) then `data: [DONE]`. A client that leaves cancels
   the rows still running. `charge(tokens)` takes the output tokens from the caller's rate
   limit at the end."""
@@ -361,19 +382,22 @@ async def _stream(s: Service, ch: _Choices, rows, shape: Shape, prompt_tokens: i
       for i in range(left):
         yield shape.chunk(i, None, None)
     while left:
-      index, delta, reason = await ch.events.get()
+      index, delta, reason, lp = await ch.events.get()
       if reason == "error":
         e = delta
         yield "data: " + json.dumps({"error": {"message": f"{type(e).__name__}: {e}",
                                                "type": "server_error", "param": None,
                                                "code": None}}) + "\n\n"
         return
-      if delta:
-        yield shape.chunk(index, delta, None)
       if reason is not None:
         left -= 1
         reasons.append(reason)
-        yield shape.chunk(index, "", reason)
+        if delta or (lp and lp["tokens"]):
+          yield shape.chunk(index, delta, None, lp)
+          lp = None
+        yield shape.chunk(index, "", reason, lp)
+      else:
+        yield shape.chunk(index, delta, None, lp)
     if shape.include_usage:
       yield shape.usage_chunk(_usage(prompt_tokens, _generated(ch)))
     yield "data: [DONE]\n\n"

@@ -100,7 +100,30 @@ class Service:
     (decoder-only); a 400 naming `param` when it is over the prompt limit."""
     ids = self.vocabulary.encode(text)
     ids = ids + [self.eos_id] if self.is_encoder_decoder else [0] + ids
-    longest = min(self.limits.max_prompt_tokens, self.batcher.buckets.length[-1])
+    return self._fit(ids, param)
+
+  def encode_ids(self, ids: list[int], param: str) -> list[int]:
+    """A token-id prompt as the model takes it: EOS appended (encoder-decoder) or BOS 0
+    prepended (decoder-only) unless it is there already (ids from /tokenize have it); a
+    400 naming `param[j]` for an id outside the vocabulary."""
+    size = self.vocabulary.vocab_size
+    bad = next((j for j, t in enumerate(ids) if not 0 <= t < size), None)
+    if bad is not None:
+      raise api.ApiError(400, f"{param}[{bad}] is token id {ids[bad]}, outside the vocabulary "
+                         f"[0, {size})", param=f"{param}[{bad}]", code="invalid_token_id")
+    if self.is_encoder_decoder and ids[-1] != self.eos_id:
+      ids = ids + [self.eos_id]
+    elif not self.is_encoder_decoder and ids[0] != 0:
+      ids = [0] + ids
+    return self._fit(ids, param)
+
+  @property
+  def max_input_tokens(self) -> int:
+    """The longest prompt accepted, in tokens (EOS included)."""
+    return min(self.limits.max_prompt_tokens, self.batcher.buckets.length[-1])
+
+  def _fit(self, ids: list[int], param: str) -> list[int]:
+    longest = self.max_input_tokens
     if len(ids) > longest:
       raise api.ApiError(400, f"{param} is {len(ids)} tokens, over the limit of {longest} "
                          "(--max_prompt_tokens / --length_buckets)", param=param,
