@@ -20,6 +20,9 @@ from t5forge.serve.service import Service, error_response
 
 __all__ = ["Service", "create_app"]
 
+# answered while draining: /health and /readyz say 503 themselves, /livez stays 200
+_WHILE_DRAINING = ("/health", "/livez", "/readyz")
+
 
 def create_app(service: Service) -> fastapi.FastAPI:
   """The application for one `Service` (kept as `app.state.service`); its batcher and
@@ -77,7 +80,7 @@ async def _guard(request: fastapi.Request, call_next):
   # The caller's key NAME (None: no keys configured, or none of them was sent).
   name = s.keys.identify(request.headers.get("authorization")) if (
       guarded and s.keys is not None) else None
-  if s.draining and path != "/health":
+  if s.draining and path not in _WHILE_DRAINING:
     resp = error_response(503, "the server is shutting down", type_="server_error",
                           code="shutting_down",
                           headers={"Retry-After": "5", "Connection": "close"})

@@ -7,8 +7,11 @@ from `request.app.state.service` (set by `app.create_app`).
     POST /detokenize       {tokens} -> the text
     POST /v1/score         {prompt, targets} -> summed log-likelihoods (T5X's score mode)
     POST /v1/embeddings    OpenAI's embeddings from the encoder (+ pooling, padding)
-    GET  /v1/models        the one served model
+    GET  /v1/models        the one served model (+ max_input_tokens, max_output_tokens)
     GET  /health           503 until the buckets are compiled (and while draining), then 200
+    GET  /readyz           the same as /health (Kubernetes' readiness probe)
+    GET  /livez            200 as soon as the app runs, compiling or draining (liveness)
+    GET  /version          {"version": t5forge's version}
     GET  /metrics          Prometheus text format
     GET  /                 the page to try the model (page.html beside this file)
 """
@@ -20,13 +23,15 @@ import os
 import fastapi
 from fastapi import responses
 
+import t5forge
 from t5forge.serve import api, batcher as batching, chat as chat_lib, completions as completions_lib
 from t5forge.serve import embeddings as embeddings_lib, tokens as tokens_lib
 from t5forge.serve.service import Service, error_response, resolver
 
 PAGE = os.path.join(os.path.dirname(__file__), "page.html")
 ROUTES = ("/v1/completions", "/v1/score", "/v1/models", "/health", "/metrics", "/",
-          "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/embeddings")
+          "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/embeddings", "/readyz",
+          "/livez", "/version")
 
 router = fastapi.APIRouter()
 
@@ -36,6 +41,17 @@ def service_of(request: fastapi.Request) -> Service:
   return request.app.state.service
 
 
+@router.get("/livez")
+async def livez():
+  return {"status": "alive"}
+
+
+@router.get("/version")
+async def version():
+  return {"version": t5forge.__version__}
+
+
+@router.get("/readyz")
 @router.get("/health")
 async def health(request: fastapi.Request):
   s = service_of(request)
@@ -69,8 +85,13 @@ async def metrics(request: fastapi.Request):
 @router.get("/v1/models")
 async def models(request: fastapi.Request):
   s = service_of(request)
+  # max_model_len as vLLM reports it: here the longest prompt (the encoder's input; an
+  # encoder-decoder's answer has its own budget, max_output_tokens).
   return {"object": "list", "data": [{"id": s.model_name, "object": "model",
-                                      "created": s.created, "owned_by": "t5forge"}]}
+                                      "created": s.created, "owned_by": "t5forge",
+                                      "max_input_tokens": s.max_input_tokens,
+                                      "max_output_tokens": s.limits.max_tokens,
+                                      "max_model_len": s.max_input_tokens}]}
 
 
 @router.get("/")
