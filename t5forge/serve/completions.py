@@ -104,7 +104,8 @@ class _Choices:
   def __init__(self, s: Service, loop, count: int, stops: list[str], stream: bool,
                logprobs_k: int | None = None, ignore_eos: bool = False):
     self.loop = loop
-    self.texts = [ChoiceText(s.vocabulary, stops, s.stop_ids, skip_stop_ids=ignore_eos)
+    stop_ids = s.eos_id if s.stop_ids is None else s.stop_ids
+    self.texts = [ChoiceText(s.vocabulary, stops, stop_ids, skip_stop_ids=ignore_eos)
                   for _ in range(count)]
     self.futs = [loop.create_future() for _ in range(count)]
     self.events: asyncio.Queue | None = asyncio.Queue() if stream else None
