@@ -201,8 +201,10 @@ def test_streamed_logprobs_join_to_the_unstreamed(server, extra):
   status, _, whole = _post(server, body)
   assert status == 200, whole
   joined: dict[int, dict] = {}
+  pieces = 0  # chunks that carry tokens: the logprobs arrive as decoding runs
   for e in _events(server, {**body, "stream": True}):
     for c in e["choices"]:
+      pieces += bool(c["logprobs"] and c["logprobs"]["tokens"])
       j = joined.setdefault(c["index"], {"text": "", "tokens": [], "token_logprobs": [],
                                          "top_logprobs": [], "text_offset": []})
       j["text"] += c["text"]
@@ -218,6 +220,8 @@ def test_streamed_logprobs_join_to_the_unstreamed(server, extra):
     np.testing.assert_allclose([v for t in j["top_logprobs"] for v in t.values()],
                                [v for t in lp["top_logprobs"] for v in t.values()], atol=1e-6)
     assert len(lp["tokens"]) > 0
+  if "stop" not in extra:  # (a stop sequence cuts these texts after a token or two)
+    assert pieces > len(whole["choices"])
 
 
 GOOD = {"prompt": "God is love.", "max_tokens": 4, "temperature": 0}
