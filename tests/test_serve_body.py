@@ -1,0 +1,50 @@
+"""Request bodies that no route can use are found where `api.parse` reads them, each
+naming its field: non-finite numbers, nesting too deep (even too deep for Python's json),
+lone surrogates in values and keys; and the decode controls are refused by name where
+they cannot run (beam search, --scheduler static). No server: pure functions."""
+import pytest
+
+from t5forge.serve import api, body, compat
+
+
+def _param(raw: bytes) -> str:
+  with pytest.raises(api.ApiError) as e:
+    api.parse(api.CompletionRequest, raw, "application/json")
+  assert e.value.status == 400
+  return e.value.param
+
+
+@pytest.mark.parametrize("raw, param", [
+    (b'{"prompt": "x", "temperature": NaN}', "temperature"),
+    (b'{"prompt": "x", "temperature": -Infinity}', "temperature"),
+    (b'{"prompt": "x", "top_p": 1e400}', "top_p"),
+    (b'{"prompt": ["a", "b\\ud83d"]}', "prompt[1]"),
+    (b'{"prompt": "x", "logit_bias": {"\\udc00": 1}}', "logit_bias"),
+    (b'{"prompt": "x", "stop": ' + b"[" * 33 + b"]" * 33 + b"}", "stop"),
+    (b'{"prompt": "x", "stop": ' + b"[" * 200_000 + b"]" * 200_000 + b"}", "stop"),
+    (b"[" * 100_000 + b"]" * 100_000, "body"),
+])
+def test_unusable_bodies_name_their_field(raw, param):
+  assert _param(raw) == param
+
+
+def test_usable_bodies_pass():
+  # A surrogate pair is valid Unicode; 32 levels and finite floats are fine.
+  data = body.loads(b'{"a": "\\ud83d\\ude00", "b": 1.5e300, "c": ' + b"[" * 31 + b"]" * 31
+                    + b"}")
+  assert data["a"] == "\U0001F600" and data["b"] == 1.5e300
+  req = api.parse(api.CompletionRequest, b'{"prompt": [[5, 6], [7]], "max_tokens": 3}',
+                  "application/json")
+  assert api.prompt_list(req.prompt) == [[5, 6], [7]]
+  assert api.prompt_list([5, 6]) == [[5, 6]] and api.prompt_param([5, 6], 0) == "prompt"
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"ignore_eos": True}, "ignore_eos"), ({"min_tokens": 2}, "min_tokens"),
+    ({"stream": True, "logprobs": 1}, "logprobs")])
+def test_decode_controls_are_refused_off_the_engine(extra, param):
+  req = api.CompletionRequest(prompt="x", max_tokens=4, **extra)
+  compat.check(req, on_engine=True)
+  with pytest.raises(api.ApiError) as e:
+    compat.check(req, on_engine=False)
+  assert e.value.param == param and "--scheduler static" in e.value.message
