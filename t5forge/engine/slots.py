@@ -263,10 +263,11 @@ class Slots:
                 if _leaf_name(path) == "index")
 
   def _mask_stops(self, logits, rows):
-    """logits [s, v] with the stop ids of `rows` [s] bool set to -inf."""
-    stops = jnp.asarray(np.reshape(self.stop_ids, -1), jnp.int32)
-    hit = jnp.zeros((logits.shape[-1],), bool).at[stops].set(True)
-    return jnp.where(rows[:, None] & hit[None, :], -jnp.inf, logits)
+    """logits [s, v] with the stop ids' columns set to -inf in `rows` [s] bool: an
+    update of [s, stops] in place, so a step where no row masks costs what it did."""
+    stops = np.reshape(self.stop_ids, -1).astype(np.int32)
+    cols = logits[:, stops]
+    return logits.at[:, stops].set(jnp.where(rows[:, None], -jnp.inf, cols))
 
   def _step_fn(self, params, state: SlotState, free):
     """k decode steps of every running slot; `free` [s] bool marks slots to release
@@ -283,10 +284,8 @@ class Slots:
           cache=st.cache))
       logits = logits.astype(jnp.float32)
       # min_tokens: a row's stop ids get no mass before it wrote that many tokens (as
-      # transformers' MinNewTokensLengthLogitsProcessor); skipped when no row asks.
-      early = running & (pos < st.min_tokens)
-      logits = lax.cond(jnp.any(early), lambda: self._mask_stops(logits, early),
-                        lambda: logits)
+      # transformers' MinNewTokensLengthLogitsProcessor).
+      logits = self._mask_stops(logits, running & (pos < st.min_tokens))
       lp = jax.nn.log_softmax(logits, axis=-1)
       token, token_lp = sample_tokens(logits, lp, st.key, pos, st.temperature, st.top_k,
                                       st.top_p, running)
