@@ -48,3 +48,11 @@ def test_decode_controls_are_refused_off_the_engine(extra, param):
   with pytest.raises(api.ApiError) as e:
     compat.check(req, on_engine=False)
   assert e.value.param == param and "--scheduler static" in e.value.message
+
+
+@pytest.mark.parametrize("raw, param", [
+    (b'{"prompt": [1, 2, "x"]}', "prompt[2]"), (b'{"prompt": ["a", "b", 3]}', "prompt[2]"),
+    (b'{"prompt": [[1], [2, "x"]]}', "prompt[1][1]"), (b'{"prompt": 5}', "prompt"),
+    (b'{"prompt": "x", "stop": ["a", 3]}', "stop[1]")])
+def test_a_wrong_item_is_named_in_the_list_the_client_meant(raw, param):
+  assert _param(raw) == param

@@ -113,13 +113,28 @@ class ScoreRequest(pydantic.BaseModel):
   user: str | None = None
 
 
+def _is_member(part) -> bool:
+  """Whether a location part is the union member pydantic tried ('list[int]'), not a field."""
+  return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
+
+
+def _closest(errors: list) -> dict:
+  """The error to report: that of the union member with the fewest errors (the one the
+  client meant: [1, 2, "x"] is a list of ints with one bad item), then the deepest."""
+  key = lambda e: e["loc"][:2] if len(e["loc"]) > 1 and _is_member(e["loc"][1]) else e["loc"]
+  counts: dict = {}
+  for e in errors:
+    counts[key(e)] = counts.get(key(e), 0) + 1
+  return min(errors, key=lambda e: (counts[key(e)], -len(_param(e["loc"]) or "")))
+
+
 def _param(loc: tuple) -> str | None:
   """pydantic's error location -> OpenAI's param ('stop', 'prompt[2]')."""
   out = ""
   for part in loc:
     if isinstance(part, int):
       out += f"[{part}]"
-    elif part in ("str", "list[str]", "int", "float", "bool") or "[" in str(part):
+    elif _is_member(part):
       continue  # the union member pydantic tried, not a field
     else:
       out += ("." if out else "") + str(part)
@@ -145,10 +160,9 @@ def parse(model_cls, raw: bytes, content_type: str | None):
   try:
     return model_cls.model_validate(data)
   except pydantic.ValidationError as e:
-    # For a union (prompt: str | list[str]) the deepest location is the useful one:
-    # prompt[1] of a list rather than "prompt is not a string".
-    errors = e.errors(include_url=False)
-    err = max(errors, key=lambda x: len(_param(x["loc"]) or ""))
+    # For a union (prompt: str | list[str] | ...) the closest member's deepest location
+    # is the useful one: prompt[1] of a list rather than "prompt is not a string".
+    err = _closest(e.errors(include_url=False))
     param = _param(err["loc"])
     if err["type"] == "extra_forbidden":
       known = ", ".join(model_cls.model_fields)
