@@ -259,7 +259,7 @@ def test_bad_chat_requests_name_the_field(served):
   assert "System role not supported" in got["error"]["message"]
   deep = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
   status, _, got = sh.request(srv.url, "/v1/chat/completions", raw=deep)
-  assert (status, got["error"]["param"]) == (400, "body")
+  assert (status, got["error"]["param"]) == (400, "messages"), got  # the field it nests in
   for body, param in (({"tokens": [5, 10 ** 6]}, "tokens[1]"), ({"tokens": [-1]}, "tokens[0]"),
                       ({"tokens": ["a"]}, "tokens[0]")):
     status, _, got = _post(srv, "/detokenize", body)

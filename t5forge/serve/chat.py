@@ -15,7 +15,6 @@ Messages are `{"role", "content"[, "name"]}`; content is a string or a list of
 """
 from __future__ import annotations
 
-import math
 import time
 
 import fastapi
@@ -66,16 +65,6 @@ def _bad(message: str, param: str) -> api.ApiError:
   return api.ApiError(400, message, param=param, code="invalid_value")
 
 
-def check_text(value: str, param: str) -> str:
-  """A string the tokenizer can take: a lone surrogate (JSON's "\\ud800") is refused."""
-  try:
-    value.encode("utf-8")
-  except UnicodeEncodeError as e:
-    raise _bad(f"{param} is not valid Unicode text ({e.reason} at character {e.start}); send "
-               "UTF-8 text", param) from None
-  return value
-
-
 def check_messages(messages, param: str = "messages") -> list[dict]:
   """OpenAI's messages -> the plain dicts the template sees; a 400 naming the message and
   field (messages[2].role) for anything else."""
@@ -111,11 +100,11 @@ def check_messages(messages, param: str = "messages") -> list[dict]:
                  f"{'nothing' if content is None else type(content).__name__}", f"{at}.content")
     if not content.strip():
       raise _bad(f"{at}.content must not be empty", f"{at}.content")
-    msg = {"role": role, "content": check_text(content, f"{at}.content")}
+    msg = {"role": role, "content": content}
     if "name" in m:
       if not isinstance(m["name"], str):
         raise _bad(f"{at}.name must be a string", f"{at}.name")
-      msg["name"] = check_text(m["name"], f"{at}.name")
+      msg["name"] = m["name"]
     out.append(msg)
   return out
 
@@ -147,7 +136,7 @@ def encode_messages(s: Service, messages, *, add_generation_prompt: bool = True,
     raise api.ApiError(400, f"the chat template ({template.where}) refused the messages: {e}",
                        param=_role_in(str(e), msgs, param), code="chat_template_error") from None
   ids = template.encode(text)
-  longest = min(s.limits.max_prompt_tokens, s.batcher.buckets.length[-1])
+  longest = s.max_input_tokens
   if check_length and len(ids) > longest:
     raise api.ApiError(400, f"{param} render to {len(ids)} tokens, over the limit of "
                        f"{longest} (--max_prompt_tokens / --length_buckets); send fewer or "
@@ -157,20 +146,8 @@ def encode_messages(s: Service, messages, *, add_generation_prompt: bool = True,
   return ids
 
 
-def parse(model_cls, raw: bytes, content_type: str | None):
-  """`api.parse`, with JSON nested too deep for the parser a 400 (not a RecursionError)."""
-  try:
-    return api.parse(model_cls, raw, content_type)
-  except RecursionError:
-    raise api.ApiError(400, "the request body is nested too deeply to parse", param="body",
-                       code="invalid_json") from None
-
-
 def _as_completion(req: ChatRequest, s: Service) -> api.CompletionRequest:
   """The completion options of a chat request, checked as /v1/completions checks them."""
-  for name in ("temperature", "top_p"):
-    if not math.isfinite(getattr(req, name)):
-      raise _bad(f"{name} must be a finite number, got {getattr(req, name)}", name)
   max_tokens, param = req.max_tokens, "max_tokens"
   if req.max_completion_tokens is not None:
     if max_tokens is not None and max_tokens != req.max_completion_tokens:
@@ -197,7 +174,7 @@ def _as_completion(req: ChatRequest, s: Service) -> api.CompletionRequest:
 async def complete(s: Service, request: fastapi.Request):
   """Answers one POST /v1/chat/completions: the response dict, or a StreamingResponse."""
   start = time.monotonic()
-  req = parse(ChatRequest, await s.read_body(request), request.headers.get("content-type"))
+  req = api.parse(ChatRequest, await s.read_body(request), request.headers.get("content-type"))
   s.check_model(req.model)
   creq = _as_completion(req, s)
   ids = encode_messages(s, req.messages)

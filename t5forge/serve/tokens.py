@@ -35,13 +35,9 @@ class DetokenizeRequest(pydantic.BaseModel):
   tokens: list[int]
 
 
-def max_input_tokens(s: Service) -> int:
-  return min(s.limits.max_prompt_tokens, s.batcher.buckets.length[-1])
-
-
 async def tokenize(s: Service, request: fastapi.Request) -> dict:
-  req = chat.parse(TokenizeRequest, await s.read_body(request),
-                   request.headers.get("content-type"))
+  req = api.parse(TokenizeRequest, await s.read_body(request),
+                  request.headers.get("content-type"))
   s.check_model(req.model)
   if (req.prompt is None) == (req.messages is None):
     raise api.ApiError(400, "give either prompt (a string) or messages (chat), not "
@@ -52,17 +48,16 @@ async def tokenize(s: Service, request: fastapi.Request) -> dict:
     if not req.prompt.strip():
       raise api.ApiError(400, "prompt must not be empty", param="prompt",
                          code="invalid_value")
-    chat.check_text(req.prompt, "prompt")
     ids = s.encode(req.prompt, "prompt")
   else:
     ids = chat.encode_messages(s, req.messages,
                                add_generation_prompt=req.add_generation_prompt)
-  return {"tokens": ids, "count": len(ids), "max_input_tokens": max_input_tokens(s)}
+  return {"tokens": ids, "count": len(ids), "max_input_tokens": s.max_input_tokens}
 
 
 async def detokenize(s: Service, request: fastapi.Request) -> dict:
-  req = chat.parse(DetokenizeRequest, await s.read_body(request),
-                   request.headers.get("content-type"))
+  req = api.parse(DetokenizeRequest, await s.read_body(request),
+                  request.headers.get("content-type"))
   s.check_model(req.model)
   size = s.vocabulary.vocab_size
   for i, t in enumerate(req.tokens):
