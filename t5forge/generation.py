@@ -335,11 +335,14 @@ class Generator:
     aux = {name: multihost.to_host(x) for name, x in aux.items()}
     is_eos = np.isin(tokens, self.stop_ids)
     finished = is_eos.any(axis=-1)
-    # A beam without EOS ran to its step limit, or stopped at min_log_prob: its length is
-    # through its last new token.
-    written = np.where((tokens != 0).any(-1), length - np.argmax((tokens != 0)[..., ::-1], -1), 0)
+    # A beam without EOS ran to its step limit, stopped at min_log_prob, or is an empty
+    # slot (no finished sequence to fill it): its length is through its last decoded
+    # position (a decoded token, even id 0, has a log-prob; an undecoded position none).
+    limit = np.minimum(max_new, length)[:, None]
+    decoded = (tokens != 0) | (aux["token_log_probs"] != 0)
+    written = np.where(decoded.any(-1), length - np.argmax(decoded[..., ::-1], -1), 0)
     lengths = np.where(finished, is_eos.argmax(axis=-1) + 1,
-                       np.minimum(np.minimum(max_new, length)[:, None], written)).astype(np.int32)
+                       np.minimum(limit, written)).astype(np.int32)
     if on_chunk is not None:
       on_chunk(tokens, lengths, finished)
     k = kind.top_logprobs

@@ -164,7 +164,12 @@ def test_beam_equals_predict(setup):
                              alpha=0.6, return_all_decodes=True)
   np.testing.assert_array_equal(out.tokens, tokens)
   np.testing.assert_allclose(out.scores, scores, rtol=1e-6, atol=1e-6)
-  assert len(calls) == 1 and out.token_logprobs is None
+  assert len(calls) == 1
+  # Beams carry their tokens' log-probs (tests/test_beam_options.py checks their values):
+  # one per new token, 0 after the end.
+  assert out.token_logprobs.shape == out.tokens.shape
+  past = np.arange(LENGTH) >= out.lengths[..., None]
+  assert not out.token_logprobs[past].any() and (out.token_logprobs[~past] <= 0).all()
   np.testing.assert_array_equal(out.finished, (tokens == 1).any(-1))
 
 
