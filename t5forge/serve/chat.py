@@ -29,11 +29,6 @@ NO_TEMPLATE = ("this checkpoint has no chat template (no chat_template.jinja, no
                "--chat_template FILE (a Jinja chat template), or use /v1/completions")
 
 
-class StreamOptions(pydantic.BaseModel):
-  model_config = pydantic.ConfigDict(extra="forbid", strict=True)
-  include_usage: bool = False
-
-
 class ChatRequest(pydantic.BaseModel):
   """OpenAI's chat completions request, the fields this server implements (others are
   refused by name). Defaults are OpenAI's (temperature 1, top_p 1, n 1; max_tokens 16 or
@@ -49,7 +44,7 @@ class ChatRequest(pydantic.BaseModel):
   n: int = 1
   seed: int | None = None
   stream: bool = False
-  stream_options: StreamOptions | None = None
+  stream_options: api.StreamOptions | None = None
   stop: str | list[str] | None = None
   user: str | None = None
   priority: int = 0
