@@ -10,9 +10,9 @@ functions that act on them.
 A slot holds one decode: the decoder's cache (its self-attention keys/values, the
 encoder's keys/values projected once at insert, the encoder's padding mask, and its own
 position), its last token, how many tokens it may still write, its sampling options and
-its PRNG key, and vLLM's decode controls (min_tokens, ignore_eos). Everything is one pytree (`SlotState`) that both functions take donated,
-so XLA updates it in place; with a partitioner its slot axis is split over the data
-axes.
+its PRNG key, and vLLM's decode controls (min_tokens, ignore_eos). Everything is one
+pytree (`SlotState`) that both functions take donated, so XLA updates it in place; with
+a partitioner its slot axis is split over the data axes.
 
 Each row is independent of the others: its position (T5's relative bias, RoPE, sliding
 windows, T5Gemma 2's merged attention all read it per row), its temperature / top-k /
