@@ -26,6 +26,7 @@ JOINED_KV = "joined_kv"
 KV_HEADS = "kv_heads"
 RELPOS_BUCKETS = "relpos_buckets"
 LAYERS = "layers"  # the stacked axis of scanned layers
+LORA_RANK = "lora_rank"  # the rank axis of LoRA updates (`t5forge.nn.lora`): replicated
 
 # Activation axes.
 BATCH = "batch"
@@ -36,7 +37,8 @@ ACT_HEADS = "heads"
 ACT_KV = "kv"
 ACT_VOCAB = "vocab"
 
-PARAM_AXES = (VOCAB, EMBED, MLP, HEADS, KV, JOINED_KV, KV_HEADS, RELPOS_BUCKETS, LAYERS)
+PARAM_AXES = (VOCAB, EMBED, MLP, HEADS, KV, JOINED_KV, KV_HEADS, RELPOS_BUCKETS, LAYERS,
+              LORA_RANK)
 
 ACTIVATION_AXES = (BATCH, LENGTH, ACT_EMBED, ACT_MLP, ACT_HEADS, ACT_KV, ACT_VOCAB)
 KNOWN_AXES = tuple(dict.fromkeys(PARAM_AXES + ACTIVATION_AXES))
@@ -72,7 +74,7 @@ def standard_logical_axis_rules(activation_partitioning_dims: int = 1,
     rules.append((EMBED, DATA))
   else:
     rules += [(EMBED, MODEL), (EMBED, DATA)]
-  rules += [(RELPOS_BUCKETS, None), (LENGTH, None), (LAYERS, None)]
+  rules += [(RELPOS_BUCKETS, None), (LENGTH, None), (LAYERS, None), (LORA_RANK, None)]
   rules += list(additional_rules)
   return rules
 

@@ -214,6 +214,7 @@ class MultiHeadAttention(nn.Module):
   softcap: float | None = None
   rope_theta: float | None = None
   kernel: str = "auto"
+  lora: Any = None  # a `t5forge.nn.lora.LoraConfig`: updates on the projections it targets
 
   @nn.compact
   def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array | None, bias: jax.Array | None,
@@ -251,7 +252,8 @@ class MultiHeadAttention(nn.Module):
     fused_qkv = decode is None and inputs_kv is inputs_q
     # float32 kernels: `matmul.dense` rounds them to the compute dtype (see layers.Dense).
     kernel = lambda name, init, x, width, axis: Kernel(
-        width, (ax.EMBED, axis), kernel_init=init, name=name)(x.shape[-1])
+        width, (ax.EMBED, axis), kernel_init=init, lora=self.lora, name=name)(
+            x.shape[-1], deterministic)
     heads = lambda y, x, num, axis: nn.with_logical_constraint(
         y.astype(self.dtype).reshape(*x.shape[:-1], num, d),
         (ax.BATCH, ax.LENGTH, head_axis(axis, num), ax.ACT_KV))
@@ -315,7 +317,7 @@ class MultiHeadAttention(nn.Module):
                               dropout_rate=self.dropout_rate, dropout_rng=dropout_rng)
     out = out.reshape(*out.shape[:-2], h * d)  # [b, q, h*d]
     return Dense(inputs_q.shape[-1], (ax.JOINED_KV, ax.EMBED), dtype=self.dtype,
-                 kernel_init=kernel_init, name="out")(out)
+                 kernel_init=kernel_init, lora=self.lora, name="out")(out, deterministic)
 
 
 def head_axis(axis: str, num_heads: int) -> str | None:

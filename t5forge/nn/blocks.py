@@ -54,7 +54,7 @@ def mlp(cfg: ModelConfig) -> MlpBlock:
   """cfg's feed-forward block, named `mlp`."""
   return MlpBlock(intermediate_dim=cfg.mlp_dim, activations=cfg.mlp_activations,
                   intermediate_dropout_rate=cfg.dropout_rate, dtype=cfg.activation_dtype,
-                  name="mlp")
+                  lora=cfg.lora, name="mlp")
 
 
 def mlp_residual(cfg: ModelConfig, x: jax.Array, deterministic: bool, *,
@@ -73,7 +73,7 @@ def t5_attention(cfg: ModelConfig, name: str) -> attn.MultiHeadAttention:
   return attn.MultiHeadAttention(num_heads=cfg.num_heads, head_dim=cfg.head_dim,
                                  dropout_rate=cfg.dropout_rate, dtype=cfg.activation_dtype,
                                  float32_logits=cfg.float32_attention_logits,
-                                 kernel=cfg.attention_kernel, name=name)
+                                 kernel=cfg.attention_kernel, lora=cfg.lora, name=name)
 
 
 def gemma2_attention(cfg: ModelConfig, name: str, *, rope: bool) -> attn.MultiHeadAttention:
@@ -86,7 +86,7 @@ def gemma2_attention(cfg: ModelConfig, name: str, *, rope: bool) -> attn.MultiHe
       dtype=cfg.activation_dtype, float32_logits=cfg.float32_attention_logits,
       num_kv_heads=cfg.kv_heads, query_scale=float(scalar) ** -0.5,
       softcap=cfg.attn_logit_softcapping, rope_theta=cfg.rope_theta if rope else None,
-      name=name)
+      lora=cfg.lora, name=name)
 
 
 def pick(sliding, local, global_):

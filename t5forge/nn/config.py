@@ -12,6 +12,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from t5forge.errors import UserError
+from t5forge.nn.lora import LoraConfig
 
 ENCODER_DECODER = "encoder_decoder"
 DECODER_ONLY = "decoder_only"
@@ -115,6 +116,9 @@ class ModelConfig:
       instruction-tuned T5Gemma stops on <eos> 1 or <end_of_turn> 107, (1, 107), as its
       HF generation_config.json's eos_token_id list. None = the vocabulary's EOS alone.
       The vocabulary's EOS always ends a decode too.
+    lora: a `t5forge.nn.lora.LoraConfig`: LoRA updates on the projections it targets
+      (their parameters `lora_a` / `lora_b` beside each kernel; adapter training trains
+      only them). None = none. config.json holds it as a dict.
   """
 
   vocab_size: int
@@ -156,10 +160,13 @@ class ModelConfig:
   rope_scaling_factor: float | None = None
   eoi_token_id: int | None = None
   decoder_start_token_id: int = 0
+  lora: LoraConfig | None = None
 
   def __post_init__(self):
     # Gin and JSON hand us lists; keep the dataclass hashable.
     object.__setattr__(self, "mlp_activations", tuple(self.mlp_activations))
+    if isinstance(self.lora, dict):
+      object.__setattr__(self, "lora", LoraConfig.from_dict(self.lora))
     problems = []
     for name in ("vocab_size", "emb_dim", "num_heads", "head_dim", "mlp_dim", "num_decoder_layers"):
       if int(getattr(self, name)) <= 0:
@@ -297,6 +304,7 @@ class ModelConfig:
   def to_dict(self) -> dict:
     d = dataclasses.asdict(self)
     d["mlp_activations"] = list(self.mlp_activations)
+    d["lora"] = None if self.lora is None else self.lora.to_dict()
     return d
 
   @classmethod

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from t5forge import sharding as ax
+from t5forge.nn import lora as lora_lib
 from t5forge.nn import matmul
 
 Initializer = Callable[..., jax.Array]
@@ -125,6 +126,31 @@ class Embed(nn.Module):
                       preferred_element_type=jnp.float32)
 
 
+def _lora_a_init(key, shape, dtype=jnp.float32):
+  # peft's kaiming_uniform_(a=sqrt(5)) of the [r, in] weight: U(-1/sqrt(in), 1/sqrt(in)).
+  bound = 1.0 / shape[0] ** 0.5
+  return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+def adapted(module: nn.Module, kernel: jax.Array, kernel_axes: tuple[str, str],
+            lora: lora_lib.LoraConfig | None, deterministic: bool):
+  """kernel, or `matmul.Lora` with this module's update parameters when `lora` targets
+  its path (`lora_a` [in, r], `lora_b` [r, out], created beside `kernel`)."""
+  if lora is None:
+    return kernel
+  path = "/".join(module.path)
+  rank = lora.rank_for(path)
+  if not rank:
+    return kernel
+  i, o = kernel.shape[-2:]
+  a = param_with_axes(module, lora_lib.A, _lora_a_init, (i, rank),
+                      (kernel_axes[0], lora_lib.RANK_AXIS))
+  b = param_with_axes(module, lora_lib.B, nn.initializers.zeros, (rank, o),
+                      (lora_lib.RANK_AXIS, kernel_axes[1]))
+  rng = (module.make_rng("dropout") if not deterministic and lora.dropout > 0 else None)
+  return matmul.Lora(kernel, a, b, lora.scale_for(path), float(lora.dropout), rng)
+
+
 class Dense(nn.Module):
   """A bias-free projection with a 2-D kernel [in, out], as T5X stores its kernels.
 
@@ -137,12 +163,14 @@ class Dense(nn.Module):
   dtype: Any = jnp.float32  # compute dtype of the operands
   kernel_init: Initializer = default_kernel_init
   out_dtype: Any = None  # dtype of the result; None: see `matmul.dense`
+  lora: lora_lib.LoraConfig | None = None
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, deterministic: bool = True) -> jax.Array:
     # x: [..., in] -> [..., out]
     kernel = param_with_axes(self, "kernel", self.kernel_init, (x.shape[-1], self.features),
                              self.kernel_axes)
+    kernel = adapted(self, kernel, self.kernel_axes, self.lora, deterministic)
     # The float32 kernel is rounded to the compute dtype inside `matmul.dense`, whose
     # backward pass returns its gradient in float32 (not rounded to bfloat16).
     return matmul.dense(x.astype(self.dtype), kernel, out_dtype=self.out_dtype)
@@ -150,16 +178,19 @@ class Dense(nn.Module):
 
 class Kernel(nn.Module):
   """The [in, out] kernel of a `Dense` layer (same parameter), for callers that multiply
-  several kernels at once (see `matmul.dense_multi`)."""
+  several kernels at once (see `matmul.dense_multi`); with a LoRA update on it, a
+  `matmul.Lora`."""
 
   features: int
   kernel_axes: tuple[str, str]
   kernel_init: Initializer = default_kernel_init
+  lora: lora_lib.LoraConfig | None = None
 
   @nn.compact
-  def __call__(self, in_features: int) -> jax.Array:
-    return param_with_axes(self, "kernel", self.kernel_init, (in_features, self.features),
-                           self.kernel_axes)
+  def __call__(self, in_features: int, deterministic: bool = True):
+    kernel = param_with_axes(self, "kernel", self.kernel_init, (in_features, self.features),
+                             self.kernel_axes)
+    return adapted(self, kernel, self.kernel_axes, self.lora, deterministic)
 
 
 class MlpBlock(nn.Module):
@@ -169,6 +200,7 @@ class MlpBlock(nn.Module):
   activations: Sequence[str] = ("relu",)
   intermediate_dropout_rate: float = 0.1
   dtype: Any = jnp.float32
+  lora: lora_lib.LoraConfig | None = None
 
   @nn.compact
   def __call__(self, x: jax.Array, deterministic: bool) -> jax.Array:
@@ -177,8 +209,8 @@ class MlpBlock(nn.Module):
     names = (["wi"] if len(self.activations) == 1
              else [f"wi_{i}" for i in range(len(self.activations))])
     # The gated branches share their input: one matmul on the concatenated kernels.
-    kernels = [Kernel(self.intermediate_dim, (ax.EMBED, ax.MLP), name=n)(x.shape[-1])
-               for n in names]
+    kernels = [Kernel(self.intermediate_dim, (ax.EMBED, ax.MLP), lora=self.lora, name=n)(
+        x.shape[-1], deterministic) for n in names]
     hs = matmul.dense_multi(x.astype(self.dtype), kernels)  # float32 kernels (see Dense)
     for act, h in zip(self.activations, hs):
       branches.append(activation(act)(h))  # [b, l, f]
@@ -189,4 +221,5 @@ class MlpBlock(nn.Module):
     # T5X broadcasts the MLP dropout mask over the length axis.
     h = nn.Dropout(rate=self.intermediate_dropout_rate, broadcast_dims=(-2,))(
         h, deterministic=deterministic)
-    return Dense(x.shape[-1], (ax.MLP, ax.EMBED), dtype=self.dtype, name="wo")(h)  # [b, l, e]
+    return Dense(x.shape[-1], (ax.MLP, ax.EMBED), dtype=self.dtype, lora=self.lora,
+                 name="wo")(h, deterministic)  # [b, l, e]

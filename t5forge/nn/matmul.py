@@ -29,7 +29,7 @@ flattened), i input features, o output features.
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -101,25 +101,70 @@ def _dense2d(x2: jax.Array, kernel: jax.Array, out_dtype) -> jax.Array:
 
 
 def _dense2d_fwd(x2, kernel, out_dtype):
+  # symbolic_zeros: x2 and kernel arrive as CustomVJPPrimal, `.perturbed` False for what
+  # is not differentiated. A frozen kernel (adapter training, an int8 base) has no
+  # gradient to compute, so x2 is not kept for it either.
+  x2, kernel, want_kernel = x2.value, kernel.value, kernel.perturbed
+  y = _dense2d(x2, kernel, out_dtype)
+  # (An empty array carries x's dtype: residuals must be arrays.)
+  dtype_of_x = jnp.zeros((0,), x2.dtype)
+  if not want_kernel:
+    return y, (None, kernel, dtype_of_x)
   if x2.dtype == jnp.bfloat16:
     # A scanned stack keeps the bf16 operand as the loop does (a norm's or activation's
     # output, cast), rather than its float32 inputs and a bf16 copy of the norm's output
     # that XLA:CPU writes per layer through the whole stack (see stack.keep).
-    return _dense2d(x2, kernel, out_dtype), (*stack.keep(x2), kernel)
-  return _dense2d(x2, kernel, out_dtype), (x2, kernel)
+    return y, (*stack.keep(x2), kernel, dtype_of_x)
+  return y, (x2, kernel, dtype_of_x)
 
 
 def _dense2d_bwd(out_dtype, res, dy2):
-  x2, kernel = res
-  dy2 = dy2.astype(x2.dtype)  # a float32 output (logits) still multiplies in x's dtype
-  dx2 = _dot(dy2, kernel.astype(x2.dtype), 1, 1)  # [n, o] x [i, o] -> [n, i]
-  return dx2.astype(x2.dtype), _kernel_grad(x2, dy2).astype(kernel.dtype)
+  x2, kernel, dtype_of_x = res
+  x_dtype = dtype_of_x.dtype
+  if isinstance(dy2, jax.custom_derivatives.SymbolicZero):
+    return None, None
+  dy2 = dy2.astype(x_dtype)  # a float32 output (logits) still multiplies in x's dtype
+  dx2 = _dot(dy2, kernel.astype(x_dtype), 1, 1).astype(x_dtype)  # [n, o] x [i, o] -> [n, i]
+  if x2 is None:
+    return dx2, None
+  return dx2, _kernel_grad(x2, dy2).astype(kernel.dtype)
 
 
-_dense2d.defvjp(_dense2d_fwd, _dense2d_bwd)
+_dense2d.defvjp(_dense2d_fwd, _dense2d_bwd, symbolic_zeros=True)
 
 
-def dense(x: jax.Array, kernel: jax.Array | quant.QArray, out_dtype=None) -> jax.Array:
+class Lora(NamedTuple):
+  """A kernel with its LoRA update (`t5forge.nn.lora`): x @ kernel + scale * (x' @ a) @ b,
+  x' = x with dropout at `dropout_rate` (rng None: none).
+
+  Attributes:
+    kernel: [i, o] float (any float dtype) or an int8 `quant.QArray`.
+    a: [i, r]; b: [r, o] (float32 parameters).
+  """
+
+  kernel: jax.Array | quant.QArray
+  a: jax.Array
+  b: jax.Array
+  scale: float
+  dropout_rate: float = 0.0
+  rng: jax.Array | None = None
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return tuple(self.kernel.shape)
+
+
+def _lora_delta(x: jax.Array, k: Lora, out_dtype) -> jax.Array:
+  """scale * (dropout(x) @ a) @ b for x [..., i] -> [..., o] in out_dtype; both products in
+  x's dtype (the rank-r intermediate rounded to it, as under torch autocast)."""
+  if k.rng is not None and k.dropout_rate > 0:
+    keep = jax.random.bernoulli(k.rng, 1.0 - k.dropout_rate, x.shape)
+    x = jnp.where(keep, x / (1.0 - k.dropout_rate), 0).astype(x.dtype)
+  h = dense(x, k.a, out_dtype=x.dtype)  # [..., r]
+  return (dense(h, k.b, out_dtype=jnp.float32) * jnp.float32(k.scale)).astype(out_dtype)
+
+
+def dense(x: jax.Array, kernel: jax.Array | quant.QArray | Lora, out_dtype=None) -> jax.Array:
   """x [..., i] @ kernel [i, o] -> [..., o], in x's dtype (the compute dtype); a kernel
   in another float dtype (a float32 parameter) is rounded to it, and its gradient comes
   back in the kernel's dtype.
@@ -127,9 +172,16 @@ def dense(x: jax.Array, kernel: jax.Array | quant.QArray, out_dtype=None) -> jax
   The result is in `out_dtype`, by default the accumulation dtype: float32 for bfloat16
   operands (XLA:CPU emulates bfloat16 elementwise arithmetic with a conversion around
   every operation, so what follows a matmul is cheaper in float32), else x's dtype. An
-  int8 `quant.QArray` kernel takes the int8 path (inference only)."""
+  int8 `quant.QArray` kernel takes the int8 path: `quant.dense` (inference), or with
+  `exact` the float-activation product (x @ q) * scale, whose gradient is
+  (dy * scale) @ q^T (training adapters on an int8 base). A `Lora` kernel adds its update."""
   lead = x.shape[:-1]
   out_dtype = jnp.dtype(out_dtype or accumulation_dtype(x.dtype) or x.dtype)
+  if isinstance(kernel, Lora):
+    return dense(x, kernel.kernel, out_dtype) + _lora_delta(x, kernel, out_dtype)
+  if isinstance(kernel, quant.QArray) and kernel.exact:
+    y = dense(x, kernel.q, jnp.float32) * kernel.scale
+    return y.astype(out_dtype)
   if isinstance(kernel, quant.QArray):
     y = quant.dense(x.reshape(-1, x.shape[-1]), kernel).astype(out_dtype)
   else:
@@ -153,10 +205,13 @@ def dense_multi(x: jax.Array, kernels: Sequence[jax.Array]) -> list[jax.Array]:
     # concatenating them would copy every kernel once more per call.
     return [dense(x, k) for k in kernels]
   sizes = [k.shape[-1] for k in kernels]
-  fused = (quant.concat(kernels) if isinstance(kernels[0], quant.QArray)
-           else jnp.concatenate(kernels, axis=-1))
+  base = [k.kernel if isinstance(k, Lora) else k for k in kernels]
+  fused = (quant.concat(base) if isinstance(base[0], quant.QArray)
+           else jnp.concatenate(base, axis=-1))
   y = dense(x, fused)  # [..., sum(o)]
   offsets = [0]
   for s in sizes:
     offsets.append(offsets[-1] + s)
-  return [y[..., a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+  # The updates are added per branch: the base product stays one fused matmul.
+  return [y[..., a:b] + _lora_delta(x, k, y.dtype) if isinstance(k, Lora) else y[..., a:b]
+          for k, a, b in zip(kernels, offsets[:-1], offsets[1:])]

@@ -12,8 +12,9 @@ quarter of the float32 bytes, which is what bounds decoding at small batch.
 
 `QArray` stands in for the kernel array in the parameter tree (it is a pytree, so jit,
 scan over layers and device_put handle it); `matmul.dense` dispatches on it. Training
-on int8 weights is refused (`train.step.make_train_step`; saving too, in
-`interactive.Model.save`/`save_hf`): this path is for decoding and scoring a trained model.
+int8 weights is refused (`train.step.make_train_step`; saving too, in
+`interactive.Model.save`/`save_hf`): this path is for decoding and scoring a trained model,
+and (`exact`) for a frozen int8 base under adapter training.
 """
 from __future__ import annotations
 
@@ -35,10 +36,15 @@ class QArray:
   Attributes:
     q: int8 [..., in, out] (the float kernel's layout, which Flax checks on apply).
     scale: float32 [..., out]; the kernel is q * scale[..., None, :].
+    exact: static. False: `dense` below (activations rounded to int8 too, inference).
+      True: `matmul.dense` multiplies float activations by q and rescales, exactly the
+      dequantised kernel's product and gradient (a frozen int8 base under adapter
+      training, where rounded activations would give a wrong derivative).
   """
 
   q: jax.Array
   scale: jax.Array
+  exact: bool = flax.struct.field(pytree_node=False, default=False)
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -54,23 +60,23 @@ class QArray:
     return self.q.astype(jnp.float32) * self.scale[..., None, :]
 
 
-def quantize_kernel(kernel: np.ndarray | jax.Array) -> QArray:
+def quantize_kernel(kernel: np.ndarray | jax.Array, *, exact: bool = False) -> QArray:
   """float [..., in, out] -> QArray (symmetric per-output-channel int8)."""
   w = np.asarray(kernel, np.float32)
   amax = np.abs(w).max(axis=-2)  # [..., out]
   scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
   q = np.clip(np.rint(w / scale[..., None, :]), -127, 127).astype(np.int8)
-  return QArray(q=jnp.asarray(q), scale=jnp.asarray(scale))
+  return QArray(q=jnp.asarray(q), scale=jnp.asarray(scale), exact=exact)
 
 
-def quantize_params(params: dict) -> dict:
+def quantize_params(params: dict, *, exact: bool = False) -> dict:
   """Replaces every projection kernel (a `kernel` leaf) of a parameter tree by a QArray."""
   out = {}
   for name, value in params.items():
     if isinstance(value, dict):
-      out[name] = quantize_params(value)
+      out[name] = quantize_params(value, exact=exact)
     elif name == "kernel" and not isinstance(value, QArray):
-      out[name] = quantize_kernel(value)
+      out[name] = quantize_kernel(value, exact=exact)
     else:
       out[name] = value
   return out
@@ -79,7 +85,8 @@ def quantize_params(params: dict) -> dict:
 def concat(kernels: list[QArray]) -> QArray:
   """Concatenates QArrays along the output axis (fused q/k/v or gated-MLP kernels)."""
   return QArray(q=jnp.concatenate([k.q for k in kernels], axis=-1),
-                scale=jnp.concatenate([k.scale for k in kernels], axis=-1))
+                scale=jnp.concatenate([k.scale for k in kernels], axis=-1),
+                exact=kernels[0].exact)
 
 
 def dense(x: jax.Array, kernel: QArray) -> jax.Array:

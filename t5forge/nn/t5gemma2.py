@@ -91,9 +91,12 @@ class Gemma3Attention(nn.Module):
     dtype = cfg.activation_dtype
     init = nn.initializers.variance_scaling(1.0, "fan_in", "normal")
     width = x.shape[-1]
-    kq = Kernel(h * d, (ax.EMBED, ax.JOINED_KV), kernel_init=init, name="query")(width)
-    kk = Kernel(n * d, (ax.EMBED, ax.KV_HEADS), kernel_init=init, name="key")(width)
-    kv = Kernel(n * d, (ax.EMBED, ax.KV_HEADS), kernel_init=init, name="value")(width)
+    kq = Kernel(h * d, (ax.EMBED, ax.JOINED_KV), kernel_init=init, lora=cfg.lora,
+                name="query")(width, deterministic)
+    kk = Kernel(n * d, (ax.EMBED, ax.KV_HEADS), kernel_init=init, lora=cfg.lora,
+                name="key")(width, deterministic)
+    kv = Kernel(n * d, (ax.EMBED, ax.KV_HEADS), kernel_init=init, lora=cfg.lora,
+                name="value")(width, deterministic)
     # float32 kernels: `matmul.dense` rounds them to the compute dtype (see layers.Dense).
     query_norm = RMSNorm(epsilon=cfg.layer_norm_epsilon, dtype=dtype, plus_one=True,
                          axis=ax.KV, name="query_norm")
@@ -142,7 +145,7 @@ class Gemma3Attention(nn.Module):
                                  dropout_rate=cfg.dropout_rate, dropout_rng=dropout_rng)
     out = out.reshape(*out.shape[:-2], h * d)  # [b, t, h*d]
     return Dense(width, (ax.JOINED_KV, ax.EMBED), dtype=dtype, kernel_init=init,
-                 name="out")(out)
+                 lora=cfg.lora, name="out")(out, deterministic)
 
 
 class Layer(nn.Module):

@@ -89,7 +89,9 @@ def standard_logical_factor_rules() -> dict[str, FactorDim]:
   """T5X's `adafactor.standard_logical_factor_rules`."""
   return {ax.VOCAB: FactorDim.COLUMN, ax.EMBED: FactorDim.ROW, ax.MLP: FactorDim.COLUMN,
           ax.HEADS: FactorDim.COLUMN, ax.KV: FactorDim.COLUMN, ax.JOINED_KV: FactorDim.COLUMN,
-          ax.KV_HEADS: FactorDim.COLUMN, ax.RELPOS_BUCKETS: FactorDim.NONE, ax.LAYERS: FactorDim.BATCH}
+          ax.KV_HEADS: FactorDim.COLUMN, ax.RELPOS_BUCKETS: FactorDim.NONE, ax.LAYERS: FactorDim.BATCH,
+          # LoRA's rank is small: its updates keep full (unfactored) statistics.
+          ax.LORA_RANK: FactorDim.NONE}
 
 
 class _Plan(NamedTuple):

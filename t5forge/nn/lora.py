@@ -1,0 +1,190 @@
+"""LoRA (Hu et al. 2021, arXiv 2106.09685): low-rank updates of frozen projection kernels.
+
+A targeted kernel W [in, out] gains two parameters beside it, `lora_a` [in, r] and
+`lora_b` [r, out], and its layer computes
+
+    y = x @ W + scale * (dropout(x) @ lora_a) @ lora_b,   scale = alpha / r
+                                                           (rsLoRA: alpha / sqrt(r)),
+
+with `lora_b` initialised to zeros, so a fresh adapter leaves the model's outputs
+unchanged. The layers (`t5forge.nn.layers.Kernel` / `Dense`) create the parameters and
+`t5forge.nn.matmul` multiplies; this module holds the configuration (which kernels, what
+rank), the merge W + scale * a @ b, and the list of adapted modules.
+
+Module paths name a kernel's module as the unscanned parameter tree does, '/'-joined,
+without the trailing `kernel`: `encoder/layers_0/attention/query`,
+`decoder/layers_3/encoder_decoder_attention/value`, `decoder/layers_0/mlp/wo`. Under
+`scan_layers` one module serves every layer: its path is matched as layer 0's.
+
+Shape letters (docs/shapes.md): i input features, o output features, r rank, L layers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+import numpy as np
+
+from t5forge import sharding as ax
+from t5forge.errors import UserError
+
+ATTENTION = ("query", "key", "value", "out")
+MLP = ("wi", "wi_0", "wi_1", "wo")
+# peft's presets, in our module names: `qv` is peft's default for T5 (`q`, `v` of every
+# attention), `all-linear` every projection but the output layer (as peft's).
+PRESETS = {
+    "qv": ("query", "value"),
+    "attention": ATTENTION,
+    "mlp": MLP,
+    "all-linear": ATTENTION + MLP,
+}
+RANK_AXIS = ax.LORA_RANK  # the logical axis of the rank dimension
+A, B = "lora_a", "lora_b"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+  """Which kernels get a LoRA update, and its rank and scale.
+
+  Attributes:
+    rank: r, the default rank.
+    alpha: the scale's numerator (peft's lora_alpha).
+    dropout: dropout on the update's input x during training (peft's lora_dropout).
+    rslora: scale alpha / sqrt(r) (Kalajdzievski 2023) instead of alpha / r.
+    targets: a preset ('qv', 'attention', 'mlp', 'all-linear'); a comma-separated list of
+      module names matched as path suffixes ('query,value,wo',
+      'encoder_decoder_attention/query'); or 're:<regex>' fullmatched against the path.
+    rank_pattern / alpha_pattern: (regex, value) pairs overriding rank / alpha for the
+      targeted paths they match as suffixes (peft's semantics; the first match wins).
+  """
+
+  rank: int = 8
+  alpha: float = 16.0
+  dropout: float = 0.0
+  rslora: bool = False
+  targets: str = "qv"
+  rank_pattern: tuple[tuple[str, int], ...] = ()
+  alpha_pattern: tuple[tuple[str, float], ...] = ()
+
+  def __post_init__(self):
+    # Gin and JSON hand us lists and dicts; keep the dataclass hashable.
+    for name in ("rank_pattern", "alpha_pattern"):
+      value = getattr(self, name)
+      pairs = value.items() if isinstance(value, dict) else value
+      object.__setattr__(self, name, tuple((str(k), v) for k, v in pairs))
+    problems = []
+    ranks = [self.rank] + [r for _, r in self.rank_pattern]
+    if any(not isinstance(r, (int, np.integer)) or isinstance(r, bool) or r < 1 for r in ranks):
+      problems.append(f"rank {self.rank} (rank_pattern {dict(self.rank_pattern)}) must be a "
+                      "positive integer, e.g. 8")
+    if not 0.0 <= float(self.dropout) < 1.0:
+      problems.append(f"dropout must be in [0, 1), got {self.dropout}")
+    targets = str(self.targets)
+    if targets.startswith("re:"):
+      try:
+        re.compile(targets[3:])
+      except re.error as e:
+        problems.append(f"targets regex {targets[3:]!r} does not compile ({e})")
+    elif not self._names():
+      problems.append(f"targets {targets!r} is empty; use a preset {sorted(PRESETS)}, module "
+                      "names such as 'query,value', or 're:<regex>'")
+    for name in ("rank_pattern", "alpha_pattern"):
+      for pattern, _ in getattr(self, name):
+        try:
+          re.compile(pattern)
+        except re.error as e:
+          problems.append(f"{name} key {pattern!r} does not compile ({e})")
+    if problems:
+      raise UserError("invalid lora.LoraConfig: " + "; ".join(problems))
+
+  def _names(self) -> tuple[str, ...]:
+    if self.targets in PRESETS:
+      return PRESETS[self.targets]
+    return tuple(n.strip().strip("/") for n in str(self.targets).split(",") if n.strip())
+
+  def is_target(self, path: str) -> bool:
+    """Whether the kernel at module path `path` gets an update (see the module doc)."""
+    path = canonical(path)
+    if path.endswith("/logits_dense") or path == "logits_dense":
+      return False
+    if self.targets.startswith("re:"):
+      return re.fullmatch(self.targets[3:], path) is not None
+    return any(path == n or path.endswith("/" + n) for n in self._names())
+
+  def rank_for(self, path: str) -> int:
+    """The rank of path's update; 0 when the path is not a target."""
+    if not self.is_target(path):
+      return 0
+    return int(_first_match(self.rank_pattern, canonical(path), self.rank))
+
+  def scale_for(self, path: str) -> float:
+    """alpha / r (rsLoRA: alpha / sqrt(r)) at path, after the patterns."""
+    rank = self.rank_for(path)
+    alpha = float(_first_match(self.alpha_pattern, canonical(path), self.alpha))
+    return alpha / (math.sqrt(rank) if self.rslora else rank) if rank else 0.0
+
+  def to_dict(self) -> dict:
+    d = dataclasses.asdict(self)
+    d["rank_pattern"] = dict(self.rank_pattern)
+    d["alpha_pattern"] = dict(self.alpha_pattern)
+    return d
+
+  @classmethod
+  def from_dict(cls, d: dict, *, source: str = "lora config") -> "LoraConfig":
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - fields)
+    if unknown:
+      raise UserError(f"{source}: unknown LoRA field(s) {unknown}; known: {sorted(fields)}")
+    return cls(**d)
+
+
+def _first_match(pairs, path: str, default):
+  for pattern, value in pairs:
+    if re.fullmatch(rf"(.*/)?(?:{pattern})", path):
+      return value
+  return default
+
+
+def canonical(path: str | tuple[str, ...]) -> str:
+  """A module path as the unscanned tree names it: a scanned stack's `layers` segment
+  is read as layer 0's, `layers_0`."""
+  parts = path.split("/") if isinstance(path, str) else list(path)
+  return "/".join("layers_0" if p == "layers" else p for p in parts if p and p != "params")
+
+
+def targets(params: Any, prefix: str = "") -> list[str]:
+  """The module paths (as stored: scanned ones keep `layers`) that carry lora_a/lora_b."""
+  out = []
+  if isinstance(params, dict):
+    if A in params and B in params:
+      out.append(prefix)
+    for name, sub in params.items():
+      if isinstance(sub, dict):
+        out += targets(sub, f"{prefix}/{name}" if prefix else name)
+  return out
+
+
+def merge(params: dict, config: LoraConfig) -> dict:
+  """params with every update folded in: kernel + scale * lora_a @ lora_b in float32, the
+  adapter leaves removed (scanned [L, i, o] kernels too). Returns a new tree of numpy
+  arrays for the merged kernels; other leaves are passed through."""
+
+  def walk(tree, path):
+    if not isinstance(tree, dict):
+      return tree
+    out = {k: walk(v, f"{path}/{k}" if path else k) for k, v in tree.items()
+           if k not in (A, B)}
+    if A in tree and B in tree:
+      if "kernel" not in tree:
+        raise UserError(f"LoRA parameters at {path} have no kernel beside them")
+      a = np.asarray(tree[A], np.float32)
+      b = np.asarray(tree[B], np.float32)
+      w = np.asarray(tree["kernel"], np.float32)
+      delta = np.einsum("...ir,...ro->...io", a, b)
+      out["kernel"] = (w + np.float32(config.scale_for(path)) * delta).astype(np.float32)
+    return out
+
+  return walk(params, "")
+
