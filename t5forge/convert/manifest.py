@@ -89,12 +89,22 @@ def write(directory: str) -> None:
                      fsync=True)
 
 
-def write_staged(final_dir: str) -> None:
-  """`write` into Orbax's temporary directory of final_dir, before Orbax renames it."""
+def staged_dir(final_dir: str) -> str:
+  """Orbax's temporary directory of final_dir, where a save is written before Orbax renames
+  it (files put there are committed with the checkpoint)."""
   staged = str(final_dir).rstrip("/") + _orbax_paths().TMP_DIR_SUFFIX
   if not os.path.isdir(staged):  # a future Orbax that stages elsewhere must not go unnoticed
     raise RuntimeError(f"{staged}: Orbax's temporary checkpoint directory is not there; "
                        f"cannot write {MANIFEST}")
+  return staged
+
+
+def write_staged(final_dir: str, extra_files: dict[str, str] | None = None) -> None:
+  """`write` into Orbax's temporary directory of final_dir, before Orbax renames it, after
+  writing `extra_files` ({name: text}) there (so the manifest covers them)."""
+  staged = staged_dir(final_dir)
+  for name, text in (extra_files or {}).items():
+    t5files.write_text(os.path.join(staged, name), text)
   write(staged)
 
 

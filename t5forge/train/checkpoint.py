@@ -109,6 +109,7 @@ class Checkpointer:
                                  n=config.keep_best, keep_checkpoints_without_metrics=False))
     policy = policies.AnyPreservationPolicy(keep) if keep else None
     self._saving = None  # the directory of the save in flight
+    self._extra_files: dict[str, str] = {}
     # Always Orbax's asynchronous checkpointer: its post-finalization callback writes the
     # manifest into the temporary directory before the commit; `save` waits when
     # saves are to be synchronous.
@@ -138,14 +139,17 @@ class Checkpointer:
 
   def _write_manifest(self) -> None:
     # Orbax runs this on the primary process after every process's files are written.
-    manifest.write_staged(self._saving)
+    manifest.write_staged(self._saving, self._extra_files)
 
   def save(self, step: int, state, *, config_item: dict, data_state: Any = None,
-           metrics: dict | None = None) -> None:
-    """Starts writing checkpoint_<step> (returns before it is on disk when async)."""
+           metrics: dict | None = None, extra_files: dict[str, str] | None = None) -> None:
+    """Starts writing checkpoint_<step> (returns before it is on disk when async).
+    `extra_files` ({name: text}) are written into it too (adapter training's
+    adapter.json), covered by its manifest."""
     data_item = {"num_processes": jax.process_count(), "states": multihost.gather_json(data_state)}
     self._mngr.wait_until_finished()  # the previous save's callback still reads _saving
     self._saving = self.step_dir(step)
+    self._extra_files = dict(extra_files or {})
     self._mngr.save(step, args=ocp.args.Composite(**{
         native.PARAMS: ocp.args.StandardSave(state.params),
         OPT_STATE: ocp.args.StandardSave(state.opt_state),

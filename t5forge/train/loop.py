@@ -27,6 +27,7 @@ from t5forge.convert import from_checkpoint
 from t5forge.data import vocab_io
 from t5forge.errors import UserError
 from t5forge.models import BaseModel
+from t5forge.nn import adapters, quant
 from t5forge.sharding import Partitioner
 from t5forge.train import checkpoint as ckpt_lib
 from t5forge.train import device_memory, hooks, model_info, optim, run_lock
@@ -99,7 +100,8 @@ def train(*, model: BaseModel, model_dir: str, train_dataset_cfg: DatasetConfig,
           eval_period: int = 1000, eval_steps: int | None = 20, stats_period: int | None = 100,
           random_seed: int | None = 0, early_stopping: EarlyStopping | None = None,
           run_eval_before_training: bool = False, operative_config: str = "",
-          record_batch_fingerprints: bool = False, show_progress: bool = True) -> TrainResult:
+          record_batch_fingerprints: bool = False, show_progress: bool = True,
+          base_dtype: str = "float32") -> TrainResult:
   """Trains `model` until step `total_steps` (counted from step 0, as T5X).
 
   Args:
@@ -128,6 +130,9 @@ def train(*, model: BaseModel, model_dir: str, train_dataset_cfg: DatasetConfig,
     operative_config: the gin config text, written to config.gin.
     record_batch_fingerprints: write a CRC of every batch to batch_fingerprints.jsonl
       (to check that a resumed run sees exactly the batches of an uninterrupted one).
+    base_dtype: adapter training only (a model with LoRA or prompt parameters, see
+      `t5forge.nn.adapters`): how the frozen base from INITIAL_CHECKPOINT_PATH is stored,
+      'float32', 'bfloat16' or 'int8' (its projection kernels; the rest stays float32).
   """
   seed = 0 if random_seed is None else int(random_seed)
   model_dir = _prepare_model_dir(model_dir)
@@ -141,7 +146,7 @@ def train(*, model: BaseModel, model_dir: str, train_dataset_cfg: DatasetConfig,
     run.setup_data(train_dataset_cfg)
     settings = trainer_cls() if callable(trainer_cls) else trainer_cls
     run.setup_state(optimizer or getattr(model, "optimizer", None) or optim.Adafactor(),
-                    settings, checkpoint_cfg or CheckpointConfig())
+                    settings, checkpoint_cfg or CheckpointConfig(), base_dtype=base_dtype)
     if run.start >= run.total_steps:
       run.log(f"TRAIN_STEPS={run.total_steps} is not above the restored step {run.start}: "
               "nothing to train. Raise TRAIN_STEPS to train further.")
@@ -180,7 +185,7 @@ def _loop(run: "_Run", *, eval_period, stats_period, stopper, run_eval_before_tr
       batch = run.next_batch(step)
       if window_start is None:  # before the first step: would it fit in device memory?
         run.check_step_fits(batch)
-      state, sums = run.train_step(run.state, batch)
+      state, sums = run.train_step(run.state, batch, *run.base_args)
       run.state, step = state, step + 1
       _check_finite(pending_ok, step - 1, run.checkpointer)  # the previous step is done
       pending_ok = sums.pop("finite")
@@ -229,6 +234,7 @@ class _Run:
     self.train_iter = self.checkpointer = self.fingerprints = None
     self.writer = metrics_lib.MetricWriter(model_dir, enabled=self.is_chief)
     self.train_eval = self.inference_evaluator = None
+    self.base, self.base_record = None, None  # adapter training: the frozen base
 
   # -- stage 1: data ----------------------------------------------------------------------
   def setup_data(self, cfg: DatasetConfig) -> None:
@@ -274,13 +280,23 @@ class _Run:
     return self.partitioner.shard_batch(batch)
 
   # -- stage 2: optimizer, shardings, state -------------------------------------------------
-  def setup_state(self, optimizer, settings: Trainer, checkpoint_cfg: CheckpointConfig) -> None:
+  def setup_state(self, optimizer, settings: Trainer, checkpoint_cfg: CheckpointConfig, *,
+                  base_dtype: str = "float32") -> None:
     model, part = self.model, self.partitioner
     check_microbatches(self.global_batch // part.num_data_shards, settings.num_microbatches)
     self.num_microbatches = settings.num_microbatches
     lr_fn = settings.learning_rate_fn or (lambda step: jnp.asarray(1e-3, jnp.float32))
     self.param_axes = model.logical_axes()
     self.abstract_params = model.abstract_params()
+    self.adapter = adapters.has_adapter(self.abstract_params)
+    if self.adapter:
+      # The train state holds the adapter alone; the base is loaded (and frozen) below.
+      self.abstract_params, abstract_base = adapters.split(self.abstract_params)
+      self.param_axes, base_axes = adapters.split(self.param_axes)
+      self.setup_base(checkpoint_cfg.restore, abstract_base, base_axes, base_dtype)
+    elif base_dtype != "float32":
+      raise UserError(f"base_dtype={base_dtype!r} applies to adapter training only (a model "
+                      "with network.ModelConfig.lora or a prompt); remove it")
     tx = optimizer.build(lr_fn, self.param_axes)
     self.abstract_opt = jax.eval_shape(tx.init, self.abstract_params)
     self.opt_axes = optimizer.state_axes(self.abstract_opt, self.abstract_params, self.param_axes)
@@ -293,6 +309,8 @@ class _Run:
     self.checkpointer = ckpt_lib.Checkpointer(self.model_dir,
                                               checkpoint_cfg.save or SaveCheckpointConfig())
     restore = checkpoint_cfg.restore
+    if self.adapter and self.checkpointer.latest_step() is not None:
+      self.check_adapter_base()
     if self.checkpointer.latest_step() is None and restore is not None and restore.path:
       self.check_vocabulary(restore.path, allow=restore.allow_vocabulary_change, fix=(
           "Train the task with the checkpoint's vocabulary (MIXTURE_OR_TASK_NAME = "
@@ -304,7 +322,7 @@ class _Run:
         model=model, tx=tx, seed=self.seed, checkpointer=self.checkpointer,
         restore_cfg=checkpoint_cfg.restore, train_iter=self.train_iter,
         abstract=(self.abstract_params, self.abstract_opt), shardings=self.shardings, log=self.log,
-        allow_changed_data=self.allow_changed_data)
+        allow_changed_data=self.allow_changed_data, adapter=self.adapter)
     self.start = int(self.state.step)
     resumed = os.path.join(self.model_dir, f"checkpoint_{self.start}")
     if self.checkpointer.latest_step() is not None and os.path.isdir(resumed):
@@ -314,12 +332,61 @@ class _Run:
           "utils.RestoreCheckpointConfig.allow_vocabulary_change = True to start from it on "
           "purpose)"))
     with part.activation_context():
+      # The frozen base is an input like the batch: not donated, placed once.
       self.train_step = jax.jit(
           make_train_step(model, tx, learning_rate_fn=lr_fn,
-                          num_microbatches=settings.num_microbatches, seed=self.seed),
-          in_shardings=(self.shardings, None), out_shardings=(self.shardings, None),
-          donate_argnums=(0,))
+                          num_microbatches=settings.num_microbatches, seed=self.seed,
+                          adapter=self.adapter),
+          in_shardings=(self.shardings, None) + ((self.base_shardings,) if self.adapter else ()),
+          out_shardings=(self.shardings, None), donate_argnums=(0,))
       self.eval_step = jax.jit(make_eval_step(model))
+
+  @property
+  def base_args(self) -> tuple:
+    """The train step's arguments after (state, batch): the frozen base, if any."""
+    return (self.base,) if self.adapter else ()
+
+  def full_params(self, params):
+    """The model's whole parameter tree: the adapter joined with the frozen base."""
+    return adapters.join(params, self.base) if self.adapter else params
+
+  def setup_base(self, restore, abstract_base, base_axes, base_dtype: str) -> None:
+    """Loads the frozen base of adapter training from INITIAL_CHECKPOINT_PATH, stores it in
+    base_dtype and places it; records where it came from and its fingerprint."""
+    if restore is None or not restore.path:
+      raise UserError("adapter training (network.ModelConfig.lora or a prompt) needs the frozen "
+                      "base: set INITIAL_CHECKPOINT_PATH to the checkpoint to adapt")
+    base, _, scratch, notes = ckpt_lib.initial_params(restore, abstract_base,
+                                                      model_config=self.model.config)
+    if scratch:
+      raise UserError(f"{restore.path}: the frozen base must come from the checkpoint, but "
+                      f"{len(scratch)} parameter(s) would not ({', '.join(scratch[:3])}); remove "
+                      "the assignment_map / fallback_to_scratch rules that leave them out")
+    for note in notes:
+      self.log(f"note: checkpoint and model config differ in {note}")
+    fingerprint = adapters.fingerprint(base)
+    base = adapters.store_base(base, base_dtype)
+    self.base_shardings = _base_shardings(self.partitioner, base_axes, base)
+    self.base = jax.device_put(base, self.base_shardings)
+    self.base_record = {"base": str(restore.path), "fingerprint": fingerprint,
+                        "base_dtype": base_dtype}
+    self.log(f"adapter training: base {restore.path} frozen in {base_dtype} "
+             f"(fingerprint {fingerprint})")
+
+  def check_adapter_base(self) -> None:
+    """Refuses to resume an adapter on another base than the one it was trained on."""
+    step = self.checkpointer.latest_step()
+    path = os.path.join(self.checkpointer.step_dir(step), adapters.CONFIG_FILE)
+    try:
+      with open(path, encoding="utf-8") as f:
+        record = json.load(f)
+    except (OSError, ValueError):
+      raise UserError(f"{self.checkpointer.step_dir(step)} has no readable "
+                      f"{adapters.CONFIG_FILE}: it is not a checkpoint of adapter training; "
+                      "use a new MODEL_DIR") from None
+    adapters.check_base(record, self.base_record["fingerprint"],
+                        adapter=self.checkpointer.step_dir(step),
+                        base=self.base_record["base"])
 
   def check_step_fits(self, batch: dict) -> None:
     """Compiles the training step for `batch` ahead of its first call and stops with one
@@ -330,7 +397,7 @@ class _Run:
     device = jax.local_devices()[0]
     if device_memory.limit_bytes(device) is None:
       return
-    compiled = self.train_step.lower(self.state, batch).compile()
+    compiled = self.train_step.lower(self.state, batch, *self.base_args).compile()
     device_memory.check_step_fits(compiled, device=device,
                                   batch_size=self.global_batch, config=self.model.config,
                                   num_microbatches=self.num_microbatches)
@@ -395,18 +462,24 @@ class _Run:
     scalars = {}
     with self.partitioner.activation_context():
       if self.train_eval is not None:
-        for task_name, values in self.train_eval(self.state.params).items():
+        for task_name, values in self.train_eval(self.full_params(self.state.params)).items():
           self.writer.write_scalars(step, values, subdir=f"training_eval/{task_name}")
           scalars.update({f"training_eval/{task_name}/{k}": v for k, v in values.items()})
       if self.inference_evaluator is not None:
-        scalars.update(self.inference_evaluator(self.state.params, step))
+        scalars.update(self.inference_evaluator(self.full_params(self.state.params), step))
     return scalars
 
   def save(self, step: int, *, metrics: dict | None) -> None:
     if not hasattr(self, "_config"):
       self._config = _config_item(self.model)  # the vocabulary is base64: build it once
+    extra = None
+    if self.adapter:
+      extra = {adapters.CONFIG_FILE: json.dumps(
+          {"format": adapters.FORMAT, "model": self._config["model"], **self.base_record},
+          indent=2, sort_keys=True) + "\n"}
     self.checkpointer.save(step, self.state, config_item=self._config,
-                           data_state=self.train_iter.get_state(), metrics=metrics)
+                           data_state=self.train_iter.get_state(), metrics=metrics,
+                           extra_files=extra)
 
   def close(self) -> None:
     for resource in (self.checkpointer, self.writer, self.train_iter, self.fingerprints):
@@ -452,9 +525,30 @@ def _config_item(model: BaseModel) -> dict:
   return {"model": model.config.to_dict(), "vocabulary": vocab_io.to_spec(model.vocabulary)}
 
 
+def _base_shardings(part: Partitioner, axes: dict, base: dict) -> dict:
+  """The frozen base's shardings: by its logical axes; an int8 kernel's scales [..., out]
+  as the kernel's output axis."""
+  is_q = lambda x: isinstance(x, quant.QArray)
+  shapes = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.q.dtype if is_q(v) else v.dtype),
+                        base, is_leaf=is_q)
+  shardings = part.tree_shardings(axes, shapes=shapes)
+
+  def one(value, sharding):
+    if not is_q(value):
+      return sharding
+    spec = tuple(sharding.spec) + (None,) * (len(value.shape) - len(sharding.spec))
+    scale = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(
+        *spec[:-2], spec[-1]))
+    return quant.QArray(q=sharding, scale=scale, exact=value.exact)
+
+  return jax.tree.map(one, base, shardings, is_leaf=is_q)
+
+
 def _restore_or_init(*, model, tx, seed, checkpointer, restore_cfg, train_iter, abstract,
-                     shardings, log, allow_changed_data=False) -> TrainState:
-  """The restore order: MODEL_DIR's latest checkpoint, INITIAL_CHECKPOINT_PATH, scratch."""
+                     shardings, log, allow_changed_data=False, adapter=False) -> TrainState:
+  """The restore order: MODEL_DIR's latest checkpoint, INITIAL_CHECKPOINT_PATH, scratch.
+  Adapter training: the latest checkpoint, else a fresh adapter (the base is loaded
+  apart, by `_Run.setup_base`)."""
   abstract_params, abstract_opt = abstract
   latest = checkpointer.latest_step()
   if latest is not None:
@@ -475,10 +569,15 @@ def _restore_or_init(*, model, tx, seed, checkpointer, restore_cfg, train_iter, 
     log(f"resumed from {checkpointer.model_dir}/checkpoint_{latest}")
     return TrainState(step=jax.device_put(jnp.asarray(latest, jnp.int32), shardings.step),
                       params=params, opt_state=opt_state)
-  init_params = jax.jit(model.init_params, out_shardings=shardings.params)
+  if adapter:
+    # Only the adapter's leaves are outputs: XLA drops the base's initialisation.
+    init_params = jax.jit(lambda rng: adapters.split(model.init_params(rng))[0],
+                          out_shardings=shardings.params)
+  else:
+    init_params = jax.jit(model.init_params, out_shardings=shardings.params)
   params = init_params(jax.random.key(seed))
   step = 0
-  if restore_cfg is not None and restore_cfg.path:
+  if restore_cfg is not None and restore_cfg.path and not adapter:
     params, step, scratch, notes = ckpt_lib.initial_params(restore_cfg, params,
                                                            model_config=model.config)
     params = jax.device_put(params, shardings.params)
