@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from t5forge import sharding as ax
+from t5forge.errors import UserError
 from t5forge.nn import lora as lora_lib
 from t5forge.nn import matmul
 
@@ -143,6 +144,9 @@ def adapted(module: nn.Module, kernel: jax.Array, kernel_axes: tuple[str, str],
   if not rank:
     return kernel
   i, o = kernel.shape[-2:]
+  if rank > min(i, o):
+    raise UserError(f"lora.LoraConfig: rank {rank} at {lora_lib.canonical(path)} is larger than "
+                    f"its kernel [{i}, {o}] allows; use a rank of at most {min(i, o)}")
   a = param_with_axes(module, lora_lib.A, _lora_a_init, (i, rank),
                       (kernel_axes[0], lora_lib.RANK_AXIS))
   b = param_with_axes(module, lora_lib.B, nn.initializers.zeros, (rank, o),

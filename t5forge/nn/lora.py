@@ -166,6 +166,29 @@ def targets(params: Any, prefix: str = "") -> list[str]:
   return out
 
 
+def kernel_paths(params: Any, prefix: str = "") -> list[str]:
+  """The module paths of every projection kernel in a (possibly abstract) tree."""
+  out = []
+  if isinstance(params, dict):
+    if "kernel" in params:
+      out.append(prefix)
+    for name, sub in params.items():
+      if isinstance(sub, dict):
+        out += kernel_paths(sub, f"{prefix}/{name}" if prefix else name)
+  return out
+
+
+def check_targets(config: LoraConfig, params: Any) -> None:
+  """Refuses a LoRA config that adapts nothing in `params` (the model's, with the update
+  parameters), naming a few paths that exist."""
+  if targets(params):
+    return
+  paths = [canonical(p) for p in kernel_paths(params)]
+  raise UserError(f"lora.LoraConfig.targets {config.targets!r} matches no projection of this "
+                  f"model; its kernels are e.g. {', '.join(paths[:4])} (a preset {sorted(PRESETS)}, "
+                  "module names such as 'query,value', or 're:<regex>' over such paths)")
+
+
 def merge(params: dict, config: LoraConfig) -> dict:
   """params with every update folded in: kernel + scale * lora_a @ lora_b in float32, the
   adapter leaves removed (scanned [L, i, o] kernels too). Returns a new tree of numpy

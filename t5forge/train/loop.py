@@ -27,7 +27,7 @@ from t5forge.convert import from_checkpoint
 from t5forge.data import vocab_io
 from t5forge.errors import UserError
 from t5forge.models import BaseModel
-from t5forge.nn import adapters, quant
+from t5forge.nn import adapters, lora, quant
 from t5forge.sharding import Partitioner
 from t5forge.train import checkpoint as ckpt_lib
 from t5forge.train import device_memory, hooks, model_info, optim, run_lock
@@ -288,6 +288,8 @@ class _Run:
     lr_fn = settings.learning_rate_fn or (lambda step: jnp.asarray(1e-3, jnp.float32))
     self.param_axes = model.logical_axes()
     self.abstract_params = model.abstract_params()
+    if model.config.lora is not None:
+      lora.check_targets(model.config.lora, self.abstract_params)
     self.adapter = adapters.has_adapter(self.abstract_params)
     if self.adapter:
       # The train state holds the adapter alone; the base is loaded (and frozen) below.
