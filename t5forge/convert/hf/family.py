@@ -41,6 +41,11 @@ class Family:
     write_tokenizer: (vocabulary or None, directory) -> notes for the user; writes the
       tokenizer files for `vocabulary`.
     save_notes: told the user after every save.
+    name_table: ModelConfig -> the family's name table (see the module docstring); also
+      what names an adapter's modules in transformers (`convert.peft`).
+    module_prefixes: (weight-name prefix as saved, the module's name in transformers'
+      model) where the two differ: the names peft's adapter files use are the live
+      modules', not the saved weights'.
   """
 
   name: str
@@ -55,6 +60,8 @@ class Family:
   read_tokenizer: Callable[[str, dict], Vocabulary | None]
   write_tokenizer: Callable[[Vocabulary | None, str], list[str]]
   save_notes: tuple[str, ...] = ()
+  name_table: Callable[[ModelConfig], NameTable] | None = None
+  module_prefixes: tuple[tuple[str, str], ...] = ()
 
 
 def _set(tree: dict, path: tuple, value) -> None:

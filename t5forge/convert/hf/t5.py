@@ -212,4 +212,5 @@ FAMILY = Family(
     tokenizer_files=tokenizer.T5_FILES,
     read_tokenizer=tokenizer.read_t5,
     write_tokenizer=tokenizer.write_t5,
+    name_table=name_table,
 )

@@ -363,4 +363,5 @@ FAMILY = Family(
     tokenizer_files=tokenizer.GEMMA_FILES,
     read_tokenizer=tokenizer.read_gemma,
     write_tokenizer=tokenizer.write_gemma,
+    name_table=name_table,
 )

@@ -327,4 +327,7 @@ FAMILY = Family(
     write_tokenizer=tokenizer.write_gemma,
     save_notes=("text weights only: transformers initialises the placeholder vision tower "
                 "randomly on loading; do not give this model images",),
+    name_table=name_table,
+    # transformers keeps the encoder text stack as model.encoder.text_model (saved without it).
+    module_prefixes=(("model.encoder.", "model.encoder.text_model."),),
 )
