@@ -9,6 +9,12 @@
     m.save("out/")                                 # t5forge checkpoint
     m.save_hf("out-hf/")                           # loads in transformers
 
+LoRA adapters (t5forge's or Hugging Face peft's format):
+
+    m = t5forge.load("flan-t5-base", adapter="my-lora/")
+    m.save_adapter("my-lora-peft/", format="peft")  # PeftModel.from_pretrained loads it
+    m.merge_adapter()                              # now a plain model: W + scale * a @ b
+
 Token conventions are T5's: id 0 is padding in the encoder input (masked there), and
 the decoder input starts with 0 as BOS and attends causally.
 """
@@ -25,14 +31,16 @@ import numpy as np
 
 from t5forge import models, opener, presets
 from t5forge import nn as t5nn
-from t5forge.convert import LoadedCheckpoint, hf, native
+from t5forge.convert import LoadedCheckpoint, hf, native, peft
 from t5forge.data import vocab_io
 from t5forge.engine import offline
 from t5forge.decoding import text_ids
 from t5forge.errors import UserError
+from t5forge.nn import adapters, lora
 from t5forge.nn.config import ModelConfig
 from t5forge.generation import Generator
 from t5forge.predict import DecodeOptions, features_from_tokens
+from t5forge.nn.stack import unstack_layers
 from t5forge.sharding import Partitioner
 
 # Text batches are padded to a multiple of this many tokens, so that a handful of
@@ -328,14 +336,63 @@ class Model:
     model: `T5GemmaForConditionalGeneration`) loads, with the tokenizer of the model's
     vocabulary (`AutoTokenizer.from_pretrained`)."""
     self._refuse_int8("save_hf")
+    if adapters.has_adapter(self.params):
+      raise UserError("save_hf: this model has a LoRA adapter, which an HF checkpoint has no "
+                      "place for; call merge_adapter() first, or save_adapter(DIR, "
+                      "format='peft') for the adapter alone")
     tok_dir = self.checkpoint.path if self.checkpoint and self.checkpoint.format == "hf" else None
     for note in hf.save_hf(jax.tree.map(np.asarray, self.params), self.config, path,
                            vocabulary=self.vocabulary, tokenizer_dir=tok_dir):
       print(f"note: {note}")
 
+  # -- adapters -----------------------------------------------------------------------------
+  def _adapter_parts(self, what: str) -> tuple[dict, dict]:
+    adapter, base = adapters.split(self.params)
+    if not adapters.has_adapter(self.params) or self.config.lora is None:
+      raise UserError(f"{what}: this model has no LoRA adapter; load one with "
+                      "t5forge.load(base, adapter=DIR)")
+    return adapter, base
+
+  def _base_name(self) -> str:
+    return self.checkpoint.path if self.checkpoint is not None else self.source
+
+  def save_adapter(self, path: str, *, format: str = "t5forge") -> None:
+    """Writes the LoRA adapter alone: `format='t5forge'` (ours, with the base's path and
+    fingerprint, `nn.adapters.save`) or `'peft'` (`adapter_config.json` +
+    `adapter_model.safetensors`, which `peft.PeftModel.from_pretrained` loads)."""
+    if format not in ("t5forge", "peft"):
+      raise UserError(f"save_adapter(format={format!r}): choose 't5forge' or 'peft'")
+    adapter, base = self._adapter_parts("save_adapter")
+    adapter, base = jax.device_get(adapter), jax.device_get(base)
+    if self.config.scan_layers:
+      adapter, base = unstack_layers(adapter), unstack_layers(base)
+    plain = self.config.replace(scan_layers=False)
+    if format == "peft":
+      peft.write_peft(path, self.config.lora, adapter, plain, base_name=self._base_name())
+    else:
+      adapters.save(path, adapter, model_config=plain.to_dict(),
+                    record=peft.base_record(self._base_name(), base, plain))
+
+  def merge_adapter(self) -> "Model":
+    """Merges the LoRA adapter into the kernels (W + scale * lora_a @ lora_b) and becomes
+    the plain model of the base's config; returns self."""
+    self._adapter_parts("merge_adapter")
+    if self.config.weight_dtype != "float32":
+      raise UserError(f"merge_adapter: the base is stored as {self.config.weight_dtype}; load "
+                      "it in float32 to merge (a merged int8 kernel would be requantised)")
+    merged = lora.merge(jax.device_get(self.params), self.config.lora)
+    for cached in ("_logits_fn", "_encode_fn"):
+      self.__dict__.pop(cached, None)
+    if self._offline is not None:
+      self._offline[1].close()
+    self.__init__(self.config.replace(lora=None), merged, source=self.source,
+                  checkpoint=self.checkpoint, vocabulary=self.vocabulary,
+                  partitioner=self.partitioner)
+    return self
+
 
 def load(path: str, *, vocabulary=None, partitioner: Partitioner | None = None,
-         **overrides) -> Model:
+         adapter: str | None = None, **overrides) -> Model:
   """Loads a model from a t5forge checkpoint or MODEL_DIR, an HF directory (or Hub name),
   or a T5X checkpoint.
 
@@ -348,10 +405,15 @@ def load(path: str, *, vocabulary=None, partitioner: Partitioner | None = None,
     partitioner: mesh and rules to place the parameters on (`t5forge.sharding.
       Partitioner`, e.g. `Partitioner(num_partitions=2)`); default all devices, T5X's
       standard rules.
+    adapter: a LoRA adapter directory to apply to the checkpoint: ours (`save_adapter`,
+      a training run's adapter checkpoint) or Hugging Face peft's; ours is checked against
+      the fingerprint of the base it was trained on.
     **overrides: runtime config fields, e.g. dtype='bfloat16', scan_layers=True.
   """
   opened = opener.open_checkpoint(path, vocabulary=vocabulary, overrides=overrides,
                                   partitioner=partitioner)
+  if adapter is not None:
+    opened = opener.with_adapter(opened, adapter)
   ckpt = opened.checkpoint
   return Model(opened.config, opened.params, source=f"{ckpt.format}:{ckpt.path}",
                checkpoint=ckpt, vocabulary=opened.vocabulary, partitioner=opened.partitioner,

@@ -31,10 +31,10 @@ import numpy as np
 
 from t5forge import convert, models, provenance
 from t5forge import nn as t5nn
-from t5forge.convert import LoadedCheckpoint, load_checkpoint, native
+from t5forge.convert import LoadedCheckpoint, load_checkpoint, native, peft
 from t5forge.data import vocab_io
 from t5forge.errors import UserError
-from t5forge.nn import quant
+from t5forge.nn import adapters, quant
 from t5forge.nn.config import ModelConfig
 from t5forge.nn.stack import stack_layers, unstack_layers
 from t5forge.sharding import Partitioner, is_axes
@@ -163,6 +163,32 @@ def open_checkpoint(path: str, *, vocabulary=None, model=None, overrides: dict |
     ckpt.params = None  # the host copy: freed once the arrays are placed
   return Opened(model=model, vocabulary=vocabulary, params=params, partitioner=partitioner,
                 param_shardings=shardings, checkpoint=ckpt)
+
+
+def with_adapter(opened: Opened, adapter: str) -> Opened:
+  """`opened` with a LoRA adapter directory (ours or Hugging Face peft's,
+  `convert.peft.read_adapter`) added to its parameters: the model's config gains the
+  adapter's `lora`, and only the adapter's arrays are placed (the base stays where it is).
+
+  An adapter that records its base's fingerprint (ours) is checked against this base's;
+  a mismatch is a UserError naming both.
+  """
+  if adapters.has_adapter(opened.params):
+    raise UserError(f"--adapter {adapter}: {opened.checkpoint.path} already holds adapter "
+                    "parameters; merge them first (`t5forge convert --merge`)")
+  config = opened.config
+  lora_config, params = peft.read_adapter(adapter, config.replace(scan_layers=False),
+                                          fingerprint=adapters.fingerprint(opened.params),
+                                          base_name=opened.checkpoint.path)
+  if config.scan_layers:
+    params = stack_layers(params)
+  model = models.model_for(config.replace(lora=lora_config), vocabulary=opened.vocabulary)
+  joined = adapters.join(params, opened.params)
+  models.check_params_fit(model, joined, source=adapter)
+  shardings = param_shardings(opened.partitioner, model, joined)
+  placed = opened.partitioner.place(params, adapters.split(shardings)[0])
+  return dataclasses.replace(opened, model=model, params=adapters.join(placed, opened.params),
+                             param_shardings=shardings)
 
 
 def _read(path: str, overrides: dict) -> tuple[LoadedCheckpoint, ModelConfig | None]:

@@ -4,6 +4,10 @@ Reads any checkpoint t5forge understands (HF directory, T5X checkpoint, t5forge
 checkpoint or MODEL_DIR) and writes it as a t5forge checkpoint or an HF directory, with
 the vocabulary stored in the input (an HF directory gets the tokenizer files that
 transformers' AutoTokenizer loads).
+
+LoRA adapters: `t5forge convert --adapter DIR --base BASE --to {peft,t5forge} --output OUT`
+rewrites an adapter (either format) as Hugging Face peft's or ours; with `--merge`
+(`--to t5forge` or `--to hf`) it writes BASE with the adapter merged into its kernels.
 """
 from __future__ import annotations
 
@@ -15,10 +19,26 @@ from t5forge.errors import UserError
 def main(argv: list[str]) -> int:
   parser = argparse.ArgumentParser(prog="t5forge convert", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--input", required=True, help="checkpoint to read (any format)")
+  parser.add_argument("--input", help="checkpoint to read (any format)")
   parser.add_argument("--output", required=True, help="directory to create")
-  parser.add_argument("--to", required=True, choices=["t5forge", "hf"], help="output format")
+  parser.add_argument("--to", required=True, choices=["t5forge", "hf", "peft"],
+                      help="output format (peft: a LoRA adapter, with --adapter)")
+  parser.add_argument("--adapter", help="a LoRA adapter directory (t5forge's or peft's) to "
+                      "convert, or with --merge to merge into --base")
+  parser.add_argument("--base", help="with --adapter: the checkpoint the adapter applies to")
+  parser.add_argument("--merge", action="store_true",
+                      help="with --adapter: write --base with the adapter merged (--to t5forge "
+                      "or hf)")
   args = parser.parse_args(argv)
+  if args.adapter or args.base or args.merge or args.to == "peft":
+    from t5forge.convert import peft  # noqa: PLC0415 (after the flags parse: --help stays fast)
+    for line in peft.convert_adapter(args.adapter, args.base, args.output, to=args.to,
+                                     merge=args.merge, input_given=args.input):
+      print(line)
+    return 0
+  if not args.input:
+    raise UserError("--input is required: the checkpoint to convert (or --adapter DIR --base "
+                    "BASE for a LoRA adapter)")
 
   from t5forge.convert import hf, load_checkpoint, native, of_checkpoint, relayout  # noqa: PLC0415 (after the flags parse: --help stays fast)
   from t5forge.data import vocab_io  # noqa: PLC0415 (after the flags parse: --help stays fast)
