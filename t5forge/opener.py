@@ -181,6 +181,11 @@ def with_adapter(opened: Opened, adapter: str) -> Opened:
                                           fingerprint=adapters.fingerprint(opened.params),
                                           base_name=opened.checkpoint.path)
   if config.scan_layers:
+    odd = peft.scan_mismatch(lora_config, config)
+    if odd:
+      raise UserError(f"adapter {adapter}: {odd} is adapted unlike layer 0 of its stack (rank "
+                      f"{lora_config.rank_for(odd)}, scale {lora_config.scale_for(odd):g}); a "
+                      "scanned model holds one update per stack: load with scan_layers=False")
     params = stack_layers(params)
   model = models.model_for(config.replace(lora=lora_config), vocabulary=opened.vocabulary)
   joined = adapters.join(params, opened.params)

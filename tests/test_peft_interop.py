@@ -111,6 +111,7 @@ OURS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(OURS))
 def test_ours_loads_in_peft(family, bases, tmp_path):
   """Our adapter, written as peft's, is what peft loads and runs: the same LoRA weights,
@@ -171,6 +172,7 @@ def _peft_adapter(family, bases, out):
   return pm, out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(PEFT))
 def test_peft_adapter_loads_in_t5forge(family, bases, tmp_path):
   import t5forge
@@ -258,6 +260,23 @@ def test_fingerprint_mismatch(bases, t5_peft_dir, tmp_path):
   assert msg.count("fingerprint") >= 2 and "\n" not in msg, msg
   # and on its own base it loads
   t5forge.load(bases["t5"][0], adapter=ours_dir)
+
+
+def test_scanned_model_with_adapter(bases, t5_peft_dir, tmp_path):
+  """A scanned model runs an adapter that treats every layer alike as the unscanned one
+  does; one whose layers differ is refused (a scan holds one update per stack)."""
+  import t5forge
+  from t5forge.errors import UserError
+  hf_dir, _, enc, dec, _ = bases["t5"]
+  scanned = t5forge.load(hf_dir, adapter=t5_peft_dir, scan_layers=True)
+  np.testing.assert_allclose(scanned.logits(enc, dec),
+                             t5forge.load(hf_dir, adapter=t5_peft_dir).logits(enc, dec),
+                             rtol=1e-5, atol=1e-5)
+  uneven = _edited(t5_peft_dir, str(tmp_path / "uneven"),
+                   config={"alpha_pattern": {"block.1.layer.0.SelfAttention.q": 2}})
+  t5forge.load(hf_dir, adapter=uneven)  # unscanned: fine
+  with pytest.raises(UserError, match="layers_1.*scan_layers=False"):
+    t5forge.load(hf_dir, adapter=uneven, scan_layers=True)
 
 
 # ---------------------------------------------------------------------------------------

@@ -409,6 +409,18 @@ def _lora_config(ranks: dict[str, int], alphas: dict[str, float], every: list[st
                          alpha_pattern=tuple((k, float(v)) for k, v in _grouped(other_alphas)))
 
 
+def scan_mismatch(lora_config: lora.LoraConfig, config: ModelConfig) -> str | None:
+  """The first module whose update (rank, scale, or none) differs from its stack's layer
+  0's, or None. A scanned model has one module per stack, matched as layer 0
+  (`lora.canonical`), so an adapter that treats layers differently runs unscanned only."""
+  for path in modules(config):
+    first = re.sub(r"/layers_\d+/", "/layers_0/", path)
+    if (lora_config.rank_for(path), lora_config.scale_for(path)) != (
+        lora_config.rank_for(first), lora_config.scale_for(first)):
+      return path
+  return None
+
+
 # ---------------------------------------------------------------------------------------
 # Either format.
 
