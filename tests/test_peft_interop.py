@@ -295,10 +295,13 @@ def test_cli_round_trip_and_merge(bases, tmp_path):
   from safetensors.numpy import load_file
   hf_dir, load_hf, enc, dec, _ = bases["t5"]
   pm, src = _peft_adapter("t5", bases, str(tmp_path / "peft"))
-  ours, back, merged = (str(tmp_path / n) for n in ("ours", "back", "merged"))
+  ours, back, merged, merged_ours = (str(tmp_path / n) for n in ("ours", "back", "merged",
+                                                                   "merged_ours"))
   for args in (("--adapter", src, "--base", hf_dir, "--to", "t5forge", "--output", ours),
                ("--adapter", ours, "--base", hf_dir, "--to", "peft", "--output", back),
-               ("--adapter", src, "--base", hf_dir, "--merge", "--to", "hf", "--output", merged)):
+               ("--adapter", src, "--base", hf_dir, "--merge", "--to", "hf", "--output", merged),
+               ("--adapter", ours, "--base", hf_dir, "--merge", "--to", "t5forge", "--output",
+                merged_ours)):
     run = _cli(*args)
     assert run.returncode == 0, run.stderr
   want, got = (load_file(os.path.join(d, "adapter_model.safetensors")) for d in (src, back))
@@ -315,7 +318,27 @@ def test_cli_round_trip_and_merge(bases, tmp_path):
   with torch.no_grad():
     merged_ref = _hf_logits(pm.merge_and_unload(), enc, dec)
   np.testing.assert_allclose(_hf_logits(load_hf(merged), enc, dec), merged_ref, **TOL)
+  import t5forge
+  plain = t5forge.load(merged_ours)
+  assert plain.config.lora is None
+  np.testing.assert_allclose(plain.logits(enc, dec), merged_ref, **TOL)
 
   run = _cli("--to", "peft", "--output", str(tmp_path / "x"), "--input", hf_dir)
   assert run.returncode == 2 and "--adapter" in run.stderr, run.stderr
   assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(adapter=None, base="b", to="peft", merge=False), "needs --adapter"),
+    (dict(adapter="a", base=None, to="peft", merge=False), "needs --base"),
+    (dict(adapter="a", base="b", to="peft", merge=True), "--to t5forge or --to hf"),
+    (dict(adapter="a", base="b", to="hf", merge=False), "needs --merge"),
+    (dict(adapter="a", base="b", to="peft", merge=False, input_given="x"), "--base BASE"),
+])
+def test_convert_flags(kwargs, needle, tmp_path):
+  """`convert --adapter`'s flag combinations that mean nothing: one line each."""
+  from t5forge.convert import peft
+  from t5forge.errors import UserError
+  with pytest.raises(UserError) as err:
+    peft.convert_adapter(output=str(tmp_path / "out"), **kwargs)
+  assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
