@@ -214,6 +214,11 @@ def _renamed(state):
                     "model.layers.0.self_attn.q_proj"): v for k, v in state.items()}
 
 
+def _head(state):
+  key = next(k for k in sorted(state) if k.endswith("lora_A.weight"))
+  return {**state, "base_model.model.lm_head.lora_A.weight": state[key]}
+
+
 def _reshaped(state):
   key = next(k for k in sorted(state) if k.endswith("lora_A.weight"))
   return {**state, key: np.zeros((state[key].shape[0], 64), np.float32)}
@@ -232,6 +237,7 @@ BAD = [
      "for a T5Gemma base"),
     ("other_arch", dict(weights=_renamed), "another architecture"),
     ("other_size", dict(weights=_reshaped), "another size"),
+    ("lm_head", dict(weights=_head), "output layer"),
 ]
 
 

@@ -357,6 +357,9 @@ def read_peft(path: str, base_config: ModelConfig) -> tuple[lora.LoraConfig, dic
     module, part = _module_of(key, path)
     if family is hf.t5gemma2.FAMILY and module.startswith(hf.t5gemma2.VISION_PREFIXES):
       continue  # the vision tower, which t5forge's text model does not have (hf.t5gemma2)
+    if module not in ours and module.rsplit(".", 1)[-1] in ("lm_head", "out_proj"):
+      raise UserError(f"{path}: LoRA on the output layer ({module}) is not supported (peft's "
+                      "all-linear leaves it out too); retrain without it in target_modules")
     if module not in ours:
       foreign.append(module)
       continue
