@@ -348,3 +348,56 @@ def test_convert_flags(kwargs, needle, tmp_path):
   with pytest.raises(UserError) as err:
     peft.convert_adapter(output=str(tmp_path / "out"), **kwargs)
   assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+TRAIN_GIN = """from __gin__ import dynamic_registration
+from t5forge.nn import config as network
+from t5forge.nn import lora
+from t5forge.train import settings as utils
+include 'runs/finetune.gin'
+include 'models/t5_1_1/tiny.gin'
+MIXTURE_OR_TASK_NAME = 'bible_translate_en_es'
+TASK_FEATURE_LENGTHS = {{'inputs': 32, 'targets': 32}}
+TRAIN_STEPS = 4
+BATCH_SIZE = 8
+DROPOUT_RATE = 0.0
+EVAL_PERIOD = 1000
+INITIAL_CHECKPOINT_PATH = '{base}'
+network.ModelConfig.vocab_size = 8000
+network.ModelConfig.dtype = 'float32'
+network.ModelConfig.lora = @lora.LoraConfig()
+lora.LoraConfig.rank = 4
+utils.SaveCheckpointConfig.period = 4
+"""
+
+
+@pytest.mark.slow
+def test_adapter_trained_here_loads_in_peft(tmp_path):
+  """The MODEL_DIR of an adapter training run is an adapter for `t5forge.load`: on its
+  base it gives what peft gives with the adapter written as peft's on that base written
+  as HF's; on another base it is refused by fingerprint."""
+  import t5forge
+  from peft import PeftModel
+  from t5forge.errors import UserError
+  base, other = str(tmp_path / "base"), str(tmp_path / "other")
+  t5forge.init("t5_1_1.tiny", vocab_size=8000, dtype="float32").save(base)
+  t5forge.init("t5_1_1.tiny", seed=1, vocab_size=8000, dtype="float32").save(other)
+  gin = tmp_path / "lora.gin"
+  gin.write_text(TRAIN_GIN.format(base=base))
+  run = subprocess.run([sys.executable, "-m", "t5forge", "train", f"--gin_file={gin}",
+                        f'--gin.MODEL_DIR="{tmp_path / "run"}"'], capture_output=True,
+                       text=True, timeout=600)
+  assert run.returncode == 0, run.stderr[-2000:]
+  model = t5forge.load(base, adapter=str(tmp_path / "run"))
+  assert model.config.lora.rank == 4
+  enc, dec = hf_reference.random_batch(8000, batch=2, enc_len=12, dec_len=10)
+  ours = model.logits(enc, dec)
+  plain = t5forge.load(base)
+  assert np.abs(plain.logits(enc, dec) - ours).max() > 1e-4  # trained: not the base
+  model.save_adapter(str(tmp_path / "peft"), format="peft")
+  plain.save_hf(str(tmp_path / "hf"))
+  pm = PeftModel.from_pretrained(hf_reference.load_hf_model(str(tmp_path / "hf")),
+                                 str(tmp_path / "peft")).eval()
+  np.testing.assert_allclose(_hf_logits(pm, enc, dec), ours, **TOL)
+  with pytest.raises(UserError, match="fingerprint.*fingerprint"):
+    t5forge.load(other, adapter=str(tmp_path / "run"))

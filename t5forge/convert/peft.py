@@ -30,12 +30,13 @@ import math
 import os
 import re
 
+import jax
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from t5forge import files
-from t5forge.convert import hf, load_checkpoint, native, of_checkpoint, relayout
+from t5forge.convert import hf, load_checkpoint, native, of_checkpoint, paths, relayout
 from t5forge.convert.hf.config_files import CONFIG_FILE, read_json
 from t5forge.convert.torch_pickle import load_torch_state_dict
 from t5forge.data import vocab_io
@@ -432,31 +433,56 @@ def is_adapter_dir(path: str) -> bool:
   return adapters.is_adapter_dir(path) or os.path.isfile(os.path.join(path, ADAPTER_CONFIG))
 
 
+def _training_checkpoint(path: str) -> tuple[dict, dict, dict]:
+  """An adapter training run's checkpoint (MODEL_DIR: its newest intact one) -> (adapter
+  parameters, unscanned numpy; the model config dict; adapter.json's record)."""
+  ckpt = paths.resolve(path).path
+  record_path = os.path.join(ckpt, adapters.CONFIG_FILE)
+  if not os.path.isfile(record_path):
+    raise UserError(f"{ckpt}: a checkpoint without {adapters.CONFIG_FILE}, so not one of "
+                    "adapter training; load it as the model itself, not as --adapter")
+  record = read_json(record_path)
+  config, _ = native.read_header(ckpt)
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  abstract = adapters.split(abstract_params(config))[0]
+  abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+                          abstract)
+  params = jax.device_get(native.restore_params(ckpt, abstract))
+  params = unstack_layers(params) if config.scan_layers else params
+  return params, config.to_dict(), {k: v for k, v in (record or {}).items()
+                                    if k not in ("format", "model")}
+
+
 def read_adapter(path: str, base_config: ModelConfig, *, fingerprint: str | None = None,
                  base_name: str = "this base") -> tuple[lora.LoraConfig, dict]:
   """An adapter directory of either format -> (LoraConfig, nested `lora_a` / `lora_b`
   parameters, unscanned layout, float32).
 
   Args:
-    path: ours (`adapter.json` + `adapter.safetensors`, `nn.adapters.save`) or peft's
-      (`adapter_config.json` + `adapter_model.safetensors`).
+    path: ours (`adapter.json` + `adapter.safetensors`, `nn.adapters.save`), an adapter
+      training run's MODEL_DIR or checkpoint_<step> (the adapter alone + adapter.json), or
+      peft's (`adapter_config.json` + `adapter_model.safetensors`).
     base_config: the config of the base the adapter is applied to.
     fingerprint: the base's `adapters.fingerprint`; checked against the one ours records
       (`adapters.check_base`), the base named `base_name` in the message.
   """
   if not os.path.isdir(path):
     raise UserError(f"adapter {path}: no such directory")
-  if adapters.is_adapter_dir(path):
+  if native.is_native_checkpoint(path) or paths.is_model_dir(path):
+    params, model_config, record = _training_checkpoint(path)
+  elif adapters.is_adapter_dir(path):
     params, model_config, record = adapters.load(path)
+  else:
+    params = None
+  if params is not None:
     if fingerprint is not None:
       adapters.check_base(record, fingerprint, adapter=path, base=base_name)
     if not (model_config or {}).get("lora"):
       raise UserError(f"{path}: a t5forge adapter without LoRA (e.g. a prompt-tuning one); "
                       "this reads LoRA adapters")
     config = lora.LoraConfig.from_dict(model_config["lora"], source=path)
-    flat = _flat_adapter(params)
     shapes = kernel_shapes(base_config)
-    for module, leaves in flat.items():
+    for module, leaves in _flat_adapter(params).items():
       want = shapes.get(module)
       if want is None or leaves["lora_a"].shape[0] != want[0] or (
           leaves["lora_b"].shape[1] != want[1]):
