@@ -366,9 +366,11 @@ class Model:
     adapter, base = jax.device_get(adapter), jax.device_get(base)
     if self.config.scan_layers:
       adapter, base = unstack_layers(adapter), unstack_layers(base)
-    plain = self.config.replace(scan_layers=False)
+    # Unscanned, with the ranks and scales the scan ran (layer 0's on every layer).
+    plain = self.config.replace(scan_layers=False,
+                                lora=peft.as_unscanned(self.config.lora, self.config))
     if format == "peft":
-      peft.write_peft(path, self.config.lora, adapter, plain, base_name=self._base_name())
+      peft.write_peft(path, plain.lora, adapter, plain, base_name=self._base_name())
     else:
       adapters.save(path, adapter, model_config=plain.to_dict(),
                     record=peft.base_record(self._base_name(), base, plain))

@@ -82,15 +82,15 @@ def _lora_keys(peft_model) -> dict:
           peft_model.state_dict().items() if ".lora_" in k}
 
 
-def _with_random_adapter(hf_dir, lora_config, seed=0):
-  """t5forge.load(hf_dir) with a LoRA adapter of `lora_config` whose lora_a and lora_b are
-  both random (non-zero)."""
+def _with_random_adapter(hf_dir, lora_config, seed=0, **load):
+  """t5forge.load(hf_dir, **load) with a LoRA adapter of `lora_config` whose lora_a and
+  lora_b are both random (non-zero)."""
   import jax
   import t5forge
   from t5forge import nn as t5nn
   from t5forge.interactive import Model
   from t5forge.nn import adapters
-  base = t5forge.load(hf_dir)
+  base = t5forge.load(hf_dir, **load)
   config = base.config.replace(lora=lora_config)
   adapter, _ = adapters.split(t5nn.init_params(config, jax.random.key(seed)))
   rng = np.random.default_rng(seed)
@@ -283,6 +283,20 @@ def test_scanned_model_with_adapter(bases, t5_peft_dir, tmp_path):
   t5forge.load(hf_dir, adapter=uneven)  # unscanned: fine
   with pytest.raises(UserError, match="layers_1.*scan_layers=False"):
     t5forge.load(hf_dir, adapter=uneven, scan_layers=True)
+
+
+def test_scanned_model_writes_the_adapter_it_runs(bases, tmp_path):
+  """A scanned model matches every layer as layer 0: a pattern on another layer does not
+  apply there, and the adapter it writes says so (peft runs what the scan ran)."""
+  from peft import PeftModel
+  from t5forge.nn.lora import LoraConfig
+  hf_dir, load_hf, enc, dec, _ = bases["t5"]
+  ours = _with_random_adapter(hf_dir, LoraConfig(rank=2, alpha=4.0, targets="query,value",
+                                                 alpha_pattern=(("decoder/layers_1/.*", 1.0),)),
+                              scan_layers=True)
+  ours.save_adapter(str(tmp_path / "peft"), format="peft")
+  pm = PeftModel.from_pretrained(load_hf(hf_dir), str(tmp_path / "peft")).eval()
+  np.testing.assert_allclose(ours.logits(enc, dec), _hf_logits(pm, enc, dec), **TOL)
 
 
 # ---------------------------------------------------------------------------------------

@@ -425,6 +425,23 @@ def scan_mismatch(lora_config: lora.LoraConfig, config: ModelConfig) -> str | No
   return None
 
 
+def as_unscanned(lora_config: lora.LoraConfig, config: ModelConfig) -> lora.LoraConfig:
+  """The LoraConfig that gives an unscanned model what `lora_config` gives a scanned one
+  (where every layer is matched as layer 0): itself when its layers agree already
+  (`scan_mismatch`), else one with layer 0's rank and scale on every layer."""
+  if scan_mismatch(lora_config, config) is None:
+    return lora_config
+  ranks, alphas = {}, {}
+  for path in modules(config):
+    first = re.sub(r"/layers_\d+/", "/layers_0/", path)
+    rank = lora_config.rank_for(first)
+    if rank:
+      ranks[path] = rank
+      alphas[path] = _alpha(rank, lora_config.scale_for(first), lora_config.rslora)
+  return _lora_config(ranks, alphas, list(modules(config)), rslora=lora_config.rslora,
+                      dropout=float(lora_config.dropout))
+
+
 # ---------------------------------------------------------------------------------------
 # Either format.
 
@@ -448,7 +465,10 @@ def _training_checkpoint(path: str) -> tuple[dict, dict, dict]:
   abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
                           abstract)
   params = jax.device_get(native.restore_params(ckpt, abstract))
-  params = unstack_layers(params) if config.scan_layers else params
+  if config.scan_layers:
+    params = unstack_layers(params)
+    config = config.replace(scan_layers=False, lora=config.lora and as_unscanned(config.lora,
+                                                                                 config))
   return params, config.to_dict(), {k: v for k, v in (record or {}).items()
                                     if k not in ("format", "model")}
 
