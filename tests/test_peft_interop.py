@@ -4,7 +4,8 @@ Models are random-init transformers models saved offline (tests/hf_*reference.py
 (pinned in the test extras) builds, saves, loads and merges adapters on them. Both ways,
 for T5 (Flan-T5 shape: gated MLP, untied head), T5Gemma (grouped-query attention, an
 encoder wider than the decoder) and T5Gemma 2 (whose encoder modules live under
-`text_model` and whose vision tower peft's suffix targets also reach):
+`text_model` and whose vision tower peft's suffix targets also reach); peft-made
+adapters also on T5 1.0 (ungated MLP), mT5 and ByT5:
 
 - ours -> peft: `save_adapter(format="peft")` loads with `PeftModel.from_pretrained`
   with exactly the LoRA weights it holds (no missing, no unexpected), float32 logits
@@ -46,7 +47,13 @@ def bases(tmp_path_factory):
   genc = rng.integers(3, 256, size=(2, 12)).astype(np.int32)
   gdec = rng.integers(3, 256, size=(2, 10)).astype(np.int32)
   gdec[:, 0] = ref1.BOS
+  more = {}
+  for name, vocab in (("t5_1_0", 128), ("mt5", 300), ("byt5", 384)):
+    e, d = hf_reference.random_batch(vocab, batch=2, enc_len=12, dec_len=10, seed=2)
+    more[name] = (hf_reference.build_hf_dir(name, str(root / name)), hf_reference.load_hf_model,
+                  e, d, 0)
   return {
+      **more,
       "t5": (t5, hf_reference.load_hf_model, enc, dec, 0),
       "t5gemma": (g1, ref1.load_hf_model, genc, gdec, ref1.BOS),
       "t5gemma2": (g2, ref2.load_hf_model, genc, gdec, ref1.BOS),
@@ -153,6 +160,11 @@ PEFT = {
                rank_pattern={"EncDecAttention.v": 2}, alpha_pattern={"wo": 5}),
     "t5gemma": dict(r=4, lora_alpha=8, target_modules=r".*decoder.*\.(q_proj|v_proj|down_proj)",
                     rank_pattern={"cross_attn.v_proj": 2}),
+    # T5 1.0's ungated MLP (wi), mT5 (MT5ForConditionalGeneration), ByT5
+    "t5_1_0": dict(r=3, lora_alpha=6, target_modules=["k", "o", "wi"]),
+    "mt5": dict(r=4, lora_alpha=8, target_modules=["q", "v"],
+                rank_pattern={"decoder.block.0.layer.0.SelfAttention.q": 2}),
+    "byt5": dict(r=2, lora_alpha=4, target_modules=r".*encoder.*\.(wi_0|wi_1|wo)"),
     # suffixes: these reach the vision tower too, which the text model does not have
     "t5gemma2": dict(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "gate_proj"],
                      rank_pattern={"mlp.gate_proj": 6}),
