@@ -280,6 +280,26 @@ def test_fingerprint_mismatch(bases, t5_peft_dir, tmp_path):
   t5forge.load(bases["t5"][0], adapter=ours_dir)
 
 
+def test_api_misuse_is_one_line(bases, t5_peft_dir, tmp_path):
+  """save_hf of an adapted model, an unknown save_adapter format, and merging or saving
+  an adapter that is not there: one line each, saying what to do."""
+  import t5forge
+  from t5forge.errors import UserError
+  adapted = t5forge.load(bases["t5"][0], adapter=t5_peft_dir)
+  plain = t5forge.load(bases["t5"][0])
+  for call, needle in ((lambda: adapted.save_hf(str(tmp_path / "hf")), "merge_adapter()"),
+                       (lambda: adapted.save_adapter(str(tmp_path / "a"), format="lora"),
+                        "'t5forge' or 'peft'"),
+                       (lambda: plain.merge_adapter(), "adapter=DIR"),
+                       (lambda: plain.save_adapter(str(tmp_path / "b")), "adapter=DIR"),
+                       (lambda: t5forge.load(bases["t5"][0], adapter=str(tmp_path)),
+                        "not an adapter directory")):
+    with pytest.raises(UserError) as err:
+      call()
+    assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
+  assert not os.path.exists(tmp_path / "hf")
+
+
 def test_scanned_model_with_adapter(bases, t5_peft_dir, tmp_path):
   """A scanned model runs an adapter that treats every layer alike as the unscanned one
   does; one whose layers differ is refused (a scan holds one update per stack)."""
