@@ -366,7 +366,7 @@ class Model:
     adapter, base = jax.device_get(adapter), jax.device_get(base)
     if self.config.scan_layers:
       adapter, base = unstack_layers(adapter), unstack_layers(base)
-    # Unscanned, with the ranks and scales the scan ran (layer 0's on every layer).
+    # Unscanned, with the ranks and scales the model runs (a scan: layer 0's everywhere).
     plain = self.config.replace(scan_layers=False,
                                 lora=peft.as_unscanned(self.config.lora, self.config))
     if format == "peft":

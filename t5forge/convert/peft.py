@@ -426,10 +426,10 @@ def scan_mismatch(lora_config: lora.LoraConfig, config: ModelConfig) -> str | No
 
 
 def as_unscanned(lora_config: lora.LoraConfig, config: ModelConfig) -> lora.LoraConfig:
-  """The LoraConfig that gives an unscanned model what `lora_config` gives a scanned one
-  (where every layer is matched as layer 0): itself when its layers agree already
-  (`scan_mismatch`), else one with layer 0's rank and scale on every layer."""
-  if scan_mismatch(lora_config, config) is None:
+  """The LoraConfig that gives an unscanned model what `lora_config` gives the model of
+  `config`: itself when unscanned or when its layers agree already (`scan_mismatch`),
+  else (a scan matches every layer as layer 0) layer 0's rank and scale on every layer."""
+  if not config.scan_layers or scan_mismatch(lora_config, config) is None:
     return lora_config
   ranks, alphas = {}, {}
   for path in modules(config):
