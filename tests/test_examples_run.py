@@ -96,6 +96,11 @@ def test_example_trains(gin_file, tmp_path, request):
     # runs/finetune.gin's inference evaluator decoded and scored (BLEU) at step 2.
     assert any(row["step"] == 2 and row["split"].startswith("inference_eval/")
                for row in rows), [row["split"] for row in rows]
+  if os.path.basename(gin_file) == "lora_from_hf.gin":
+    # Adapter training: the checkpoint is the adapter on the frozen bfloat16 base.
+    with open(model_dir / "checkpoint_2" / "adapter.json") as f:
+      record = json.load(f)
+    assert record["base_dtype"] == "bfloat16" and record["model"]["lora"]["targets"] == "qv"
   if os.path.basename(gin_file) == "span_corruption_pretrain.gin":
     # A pre-training task has no metric_fns: train-eval still reports its loss.
     assert [row["split"] for row in train_eval] == ["training_eval/english_span_corruption"]
