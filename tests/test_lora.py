@@ -232,3 +232,23 @@ def test_a_target_that_matches_nothing_or_a_rank_above_the_kernel_is_refused():
     lora.check_targets(lm.config.lora, lm.abstract_params())
   with pytest.raises(UserError, match="rank 1000 at encoder/layers_0/attention/query .* at most 64"):
     _model("t5_1_1.tiny", lora=LoraConfig(rank=1000)).abstract_params()
+
+
+def test_lora_axes_are_known_to_the_sharding_and_adafactor_rules():
+  from t5forge.sharding import Partitioner
+  from t5forge.train import optim
+  lm = _model("t5_1_1.tiny", scan_layers=True, lora=LoraConfig(rank=4, targets="all-linear"))
+  abstract = lm.abstract_params()
+  adapter, _ = adapters.split(abstract)
+  axes, _ = adapters.split(lm.logical_axes())
+  lora_axes = {a for leaf in jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
+               for a in leaf}
+  assert "lora_rank" in lora_axes and "layers" in lora_axes
+  shardings = Partitioner().tree_shardings(axes, shapes=adapter)
+  assert len(jax.tree.leaves(shardings)) == len(jax.tree.leaves(adapter))
+  tx = optim.Adafactor().build(lambda s: jnp.float32(1e-2), axes)
+  state = jax.eval_shape(tx.init, adapter)
+  # Full (unfactored) second moments for the small rank axis, per layer.
+  get = lambda tree, path: tree if not path else get(tree[path[0]], path[1:])
+  path = next(p for p in lora.targets(adapter) if p.endswith("attention/query")).split("/")
+  assert get(state.v, path)[lora.A].shape == get(adapter, path)[lora.A].shape
