@@ -27,6 +27,7 @@ KV_HEADS = "kv_heads"
 RELPOS_BUCKETS = "relpos_buckets"
 LAYERS = "layers"  # the stacked axis of scanned layers
 LORA_RANK = "lora_rank"  # the rank axis of LoRA updates (`t5forge.nn.lora`): replicated
+PROMPT = "prompt"  # the positions of a tuned prompt (nn/prompt.py): never sharded
 
 # Activation axes.
 BATCH = "batch"
@@ -38,7 +39,7 @@ ACT_KV = "kv"
 ACT_VOCAB = "vocab"
 
 PARAM_AXES = (VOCAB, EMBED, MLP, HEADS, KV, JOINED_KV, KV_HEADS, RELPOS_BUCKETS, LAYERS,
-              LORA_RANK)
+              LORA_RANK, PROMPT)
 
 ACTIVATION_AXES = (BATCH, LENGTH, ACT_EMBED, ACT_MLP, ACT_HEADS, ACT_KV, ACT_VOCAB)
 KNOWN_AXES = tuple(dict.fromkeys(PARAM_AXES + ACTIVATION_AXES))
@@ -74,7 +75,8 @@ def standard_logical_axis_rules(activation_partitioning_dims: int = 1,
     rules.append((EMBED, DATA))
   else:
     rules += [(EMBED, MODEL), (EMBED, DATA)]
-  rules += [(RELPOS_BUCKETS, None), (LENGTH, None), (LAYERS, None), (LORA_RANK, None)]
+  rules += [(RELPOS_BUCKETS, None), (LENGTH, None), (LAYERS, None), (LORA_RANK, None),
+            (PROMPT, None)]
   rules += list(additional_rules)
   return rules
 

@@ -100,18 +100,28 @@ def pick(sliding, local, global_):
 
 
 def embed(cfg: ModelConfig, embedder: Embed, tokens: jax.Array, deterministic: bool, *,
-          scaled: bool = False, eoi: jax.Array | None = None) -> jax.Array:
-  """tokens [b, l] -> the float32 residual stream [b, l, e], after embedding dropout.
+          scaled: bool = False, eoi: jax.Array | None = None,
+          prompt: jax.Array | None = None) -> jax.Array:
+  """tokens [b, l] -> the float32 residual stream [b, l, e] ([b, p + l, e] with a
+  prompt), after embedding dropout.
 
   Args:
     scaled: multiply the embeddings by sqrt(e) (Gemma).
     eoi: [e] the input vector of token cfg.eoi_token_id (T5Gemma 2), unscaled; or None.
+    prompt: [p, e] tuned prompt vectors (`nn.prompt`) put before the embedded tokens,
+      scaled and dropped out as they are; or None.
   """
   x = embedder(tokens)
+  is_eoi = None if eoi is None else tokens == cfg.eoi_token_id
+  if prompt is not None:
+    b, p = tokens.shape[0], prompt.shape[0]
+    x = jnp.concatenate([jnp.broadcast_to(prompt.astype(x.dtype), (b, *prompt.shape)), x], 1)
+    if is_eoi is not None:
+      is_eoi = jnp.concatenate([jnp.zeros((b, p), bool), is_eoi], axis=1)
   if scaled:
     x = x * jnp.float32(cfg.emb_dim ** 0.5)
   if eoi is not None:
-    x = jnp.where((tokens == cfg.eoi_token_id)[..., None], eoi.astype(jnp.float32), x)
+    x = jnp.where(is_eoi[..., None], eoi.astype(jnp.float32), x)
   x = dropout(cfg, x, deterministic)
   # The residual stream stays float32 in every dtype (see ModelConfig.dtype).
   return nn.with_logical_constraint(x.astype(jnp.float32), ACT)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from t5forge.errors import UserError
 from t5forge.nn.lora import LoraConfig
+from t5forge.nn.prompt import PromptConfig, as_config
 
 ENCODER_DECODER = "encoder_decoder"
 DECODER_ONLY = "decoder_only"
@@ -112,6 +113,9 @@ class ModelConfig:
     weight_dtype: 'float32', or 'int8' for int8 weight-only projection kernels with
       per-channel scales (inference only; see `t5forge.nn.quant`). Set it when loading:
       `t5forge.load(path, weight_dtype='int8')` or `--weight_dtype int8`.
+    prompt: a tuned prompt (`t5forge.nn.prompt`, gin `prompt.PromptConfig`): p learned
+      vectors prepended to the embedded encoder input (encoder-decoders only); None = none.
+      config.json holds it as a dict.
     eos_token_ids: the ids that end a decode, when more than the vocabulary's EOS does:
       instruction-tuned T5Gemma stops on <eos> 1 or <end_of_turn> 107, (1, 107), as its
       HF generation_config.json's eos_token_id list. None = the vocabulary's EOS alone.
@@ -161,13 +165,18 @@ class ModelConfig:
   eoi_token_id: int | None = None
   decoder_start_token_id: int = 0
   lora: LoraConfig | None = None
+  prompt: PromptConfig | None = None
 
   def __post_init__(self):
     # Gin and JSON hand us lists; keep the dataclass hashable.
     object.__setattr__(self, "mlp_activations", tuple(self.mlp_activations))
     if isinstance(self.lora, dict):
       object.__setattr__(self, "lora", LoraConfig.from_dict(self.lora))
+    object.__setattr__(self, "prompt", as_config(self.prompt))
     problems = []
+    if self.prompt is not None and not self.is_encoder_decoder:
+      problems.append("prompt applies to encoder-decoder architectures (it is prepended to "
+                      f"the encoder input), not {self.architecture!r}; remove it")
     for name in ("vocab_size", "emb_dim", "num_heads", "head_dim", "mlp_dim", "num_decoder_layers"):
       if int(getattr(self, name)) <= 0:
         problems.append(f"{name} must be positive, got {getattr(self, name)}")
@@ -305,6 +314,7 @@ class ModelConfig:
     d = dataclasses.asdict(self)
     d["mlp_activations"] = list(self.mlp_activations)
     d["lora"] = None if self.lora is None else self.lora.to_dict()
+    d["prompt"] = None if self.prompt is None else self.prompt.to_dict()
     return d
 
   @classmethod

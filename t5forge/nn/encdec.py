@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from t5forge.nn import attention as attn
+from t5forge.nn import prompt
 from t5forge.nn.config import ModelConfig
 
 
@@ -38,7 +39,8 @@ class EncoderDecoderShell(nn.Module):
 
   def encode(self, encoder_input_tokens, encoder_segment_ids=None, *,
              enable_dropout: bool = False, encoder_positions=None, encoder_valid=None):
-    """[b, i] int -> [b, i, e_enc]; segment ids / positions [b, i] for packed rows.
+    """[b, i] int -> [b, i, e_enc] ([b, p + i, e_enc] with a prompt of length p, see
+    `nn.prompt`); segment ids / positions [b, i] for packed rows.
 
     encoder_valid: [b, i] bool, the positions attended to as keys; None: the tokens > 0.
     Embeddings set it to encode padding as content (Flux / SD3 run T5 on ids padded to
@@ -66,6 +68,11 @@ class EncoderDecoderShell(nn.Module):
         first call with an empty cache creates it and leaves the index at 0.
       decoder_positions: [b, t] positions of packed rows (families with RoPE), or None.
     """
+    if self.config.prompt is not None and encoder_input_tokens is not None:
+      # The encoder output starts with the prompt's positions: the cross-attention sees
+      # them (the prompt-tuning repo's PromptEncoderDecoder.decode).
+      encoder_input_tokens = prompt.prepend_tokens(encoder_input_tokens,
+                                                   self.config.prompt.length)
     return self.decoder(encoded=encoded, encoder_tokens=encoder_input_tokens,
                         decoder_input_tokens=decoder_input_tokens,
                         encoder_segment_ids=encoder_segment_ids,

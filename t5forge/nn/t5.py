@@ -10,6 +10,7 @@ from __future__ import annotations
 import flax.linen as nn
 
 from t5forge.nn import attention as attn
+from t5forge.nn import prompt
 from t5forge.nn.blocks import (decoder_head, embed, final_norm, mlp_residual, norm, residual,
                                t5_attention)
 from t5forge.nn.config import ModelConfig
@@ -74,13 +75,17 @@ class Encoder(nn.Module):
 
   @nn.compact
   def __call__(self, *, tokens, segment_ids, positions, deterministic: bool, valid=None):
-    """tokens [b, i] (0 = padding), segment_ids [b, i] or None -> encoded [b, i, e].
-    T5's relative attention needs no positions (packed segments are contiguous).
+    """tokens [b, i] (0 = padding), segment_ids [b, i] or None -> encoded [b, i, e]
+    ([b, p + i, e] with a prompt, `nn.prompt`). T5's relative attention needs no
+    positions (packed segments are contiguous).
     valid [b, i] bool: the keys attended to, or None (`EncoderDecoderShell.encode`)."""
-    del positions
     cfg = self.config
+    embedded = tokens
+    prompt_vectors, tokens, _, valid = prompt.encoder_inputs(
+        cfg.prompt, cfg.emb_dim, tokens, segment_ids, positions, valid)
+    del positions
     length = tokens.shape[-1]
-    x = embed(cfg, self.shared_embedding, tokens, deterministic)
+    x = embed(cfg, self.shared_embedding, embedded, deterministic, prompt=prompt_vectors)
     position_bias = relative_position_bias(cfg, bidirectional=True)(length, length)
     mask_bias = attn.mask_to_bias(encoder_mask(tokens, segment_ids, valid),
                                   cfg.activation_dtype)

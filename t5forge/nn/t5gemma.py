@@ -37,6 +37,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from t5forge.nn import attention as attn
+from t5forge.nn import prompt
 from t5forge.nn.blocks import (EMBED_INIT, decoder_head, embed, final_norm, gemma2_attention,
                                gemma_norm, mlp_residual, pick, residual)
 from t5forge.nn.config import ModelConfig
@@ -107,11 +108,15 @@ class Encoder(nn.Module):
     valid [b, i] bool: the keys attended to, or None (`EncoderDecoderShell.encode`)."""
     cfg = self.config
     enc = cfg.encoder
-    length = tokens.shape[-1]
     embedder = Embed(num_embeddings=cfg.vocab_size, features=enc.emb_dim,
                      dtype=cfg.activation_dtype, embedding_init=EMBED_INIT,
                      name="token_embedder")
-    x = embed(enc, embedder, tokens, deterministic, scaled=True)
+    embedded = tokens
+    # A prompt (nn.prompt) goes before the sqrt(e) scale, scaled as the tokens are.
+    prompt_vectors, tokens, positions, valid = prompt.encoder_inputs(
+        cfg.prompt, enc.emb_dim, tokens, segment_ids, positions, valid)
+    length = tokens.shape[-1]
+    x = embed(enc, embedder, embedded, deterministic, scaled=True, prompt=prompt_vectors)
     mask = encoder_mask(tokens, segment_ids, valid)
     local = None
     if cfg.sliding_window is not None:

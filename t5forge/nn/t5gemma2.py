@@ -40,7 +40,7 @@ import jax.numpy as jnp
 
 from t5forge import sharding as ax
 from t5forge.nn import attention as attn
-from t5forge.nn import matmul
+from t5forge.nn import matmul, prompt
 from t5forge.nn.blocks import (EMBED_INIT, decoder_head, embed, final_norm, gemma_norm,
                                mlp_residual, pick, residual)
 from t5forge.nn.config import ModelConfig
@@ -193,8 +193,13 @@ class Encoder(nn.Module):
     attended to, or None (`EncoderDecoderShell.encode`)."""
     cfg = self.config
     enc = cfg.encoder
+    embedded = tokens
+    # A prompt (nn.prompt) goes before the sqrt(e) scale, scaled as the tokens are.
+    prompt_vectors, tokens, positions, valid = prompt.encoder_inputs(
+        cfg.prompt, enc.emb_dim, tokens, segment_ids, positions, valid)
     length = tokens.shape[-1]
-    x = embed(enc, self.embedder, tokens, deterministic, scaled=True, eoi=eoi)
+    x = embed(enc, self.embedder, embedded, deterministic, scaled=True, eoi=eoi,
+              prompt=prompt_vectors)
     mask = encoder_mask(tokens, segment_ids, valid)
     local = (None if cfg.sliding_window is None
              else attn.combine_masks(mask, _encoder_window_mask(length, cfg.sliding_window)))

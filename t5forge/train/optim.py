@@ -91,7 +91,9 @@ def standard_logical_factor_rules() -> dict[str, FactorDim]:
           ax.HEADS: FactorDim.COLUMN, ax.KV: FactorDim.COLUMN, ax.JOINED_KV: FactorDim.COLUMN,
           ax.KV_HEADS: FactorDim.COLUMN, ax.RELPOS_BUCKETS: FactorDim.NONE, ax.LAYERS: FactorDim.BATCH,
           # LoRA's rank is small: its updates keep full (unfactored) statistics.
-          ax.LORA_RANK: FactorDim.NONE}
+          ax.LORA_RANK: FactorDim.NONE,
+          # A tuned prompt [p, e] is not factored (the prompt-tuning repo's factor rules).
+          ax.PROMPT: FactorDim.NONE}
 
 
 class _Plan(NamedTuple):
