@@ -49,9 +49,12 @@ def test_model_gin_parses_and_matches_its_preset(path):
 
 
 TRAIN_RUN_GINS = [p for p in RUN_GINS if os.path.basename(p) in ("pretrain.gin", "finetune.gin")]
+# Run gins included after a training run gin (they change it, they do not make a run).
+ADDON_RUN_GINS = [p for p in RUN_GINS if os.path.basename(p) == "prompt_tuning.gin"]
 
 
-@pytest.mark.parametrize("path", [p for p in RUN_GINS if p not in TRAIN_RUN_GINS],
+@pytest.mark.parametrize("path", [p for p in RUN_GINS
+                                  if p not in TRAIN_RUN_GINS + ADDON_RUN_GINS],
                          ids=lambda p: os.path.relpath(p, CONFIGS))
 def test_eval_and_infer_gins_parse(path):
   output_dir = 'EVAL_OUTPUT_DIR="/tmp/unused"' if "eval" in path else 'INFER_OUTPUT_DIR="/tmp/unused"'
@@ -71,7 +74,7 @@ def test_run_and_example_gins_parse(path, tmp_path):
   # Only the macros a gin uses: a command-line macro that none uses is refused.
   initial = (["INITIAL_CHECKPOINT_PATH='/tmp/unused'"]
              if "finetune" in os.path.basename(path) else [])
-  if path.endswith("finetune_from_hf.gin"):  # it reads the checkpoint's vocabulary
+  if path.endswith("_from_hf.gin"):  # it reads the checkpoint's vocabulary
     shutil.copy(os.path.join(CONFIGS, "..", "data", "bundled", "bible_en_es_8k.model"),
                 tmp_path / "spiece.model")
     initial = [f"INITIAL_CHECKPOINT_PATH='{tmp_path}'"]
@@ -82,6 +85,25 @@ def test_run_and_example_gins_parse(path, tmp_path):
   assert gin.query_parameter("train_script.train.model_dir") is not None
   assert _model_from_gin().config.vocab_size > 0
   del loop
+
+
+def test_the_prompt_tuning_gin_makes_a_prompt_model_with_the_repos_optimizer():
+  """runs/prompt_tuning.gin over runs/finetune.gin and a model gin: a prompt of
+  PROMPT_LENGTH, unpacked training rows, Adafactor without parameter scaling, weight decay
+  1e-5, a constant learning rate of 0.3 (google-research/prompt-tuning's settings)."""
+  files = [os.path.join(CONFIGS, "runs", "finetune.gin"),
+           os.path.join(CONFIGS, "models", "t5_1_1", "tiny.gin"), *ADDON_RUN_GINS]
+  gin_flags.parse(files, [*REQUIRED, "INITIAL_CHECKPOINT_PATH='/tmp/unused'",
+                          "PROMPT_LENGTH=7"])
+  import gin
+  from t5forge.nn.prompt import PromptConfig
+  model = _model_from_gin()
+  assert model.config.prompt == PromptConfig(length=7, init="uniform", uniform_scale=0.5)
+  assert gin.query_parameter("train/utils.DatasetConfig.pack") is False
+  assert gin.query_parameter("adafactor.Adafactor.multiply_by_parameter_scale") is False
+  assert gin.query_parameter("adafactor.Adafactor.weight_decay_rate") == 1e-5
+  assert gin.query_parameter("utils.create_learning_rate_scheduler.factors") == "constant"
+  assert gin.query_parameter("utils.create_learning_rate_scheduler.base_learning_rate") == 0.3
 
 
 def test_the_guides_finetune_gin_runs_with_paths_changed(tmp_path):

@@ -28,6 +28,7 @@ from t5forge.data import vocab_io
 from t5forge.errors import UserError
 from t5forge.models import BaseModel
 from t5forge.nn import adapters, lora, quant
+from t5forge.nn import prompt as prompt_lib
 from t5forge.sharding import Partitioner
 from t5forge.train import checkpoint as ckpt_lib
 from t5forge.train import device_memory, hooks, model_info, optim, run_lock
@@ -238,6 +239,9 @@ class _Run:
 
   # -- stage 1: data ----------------------------------------------------------------------
   def setup_data(self, cfg: DatasetConfig) -> None:
+    # A tuned prompt: unpacked rows, inputs longer than the prompt (before any reading).
+    prompt_lib.check_feature_lengths(self.model.config.prompt, cfg.task_feature_lengths,
+                                     pack=cfg.pack)
     if cfg.module:
       data.import_task_module(cfg.module, flag="MIXTURE_OR_TASK_MODULE")
     self.global_batch = int(cfg.batch_size)
