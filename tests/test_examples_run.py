@@ -34,7 +34,7 @@ TINY_MODEL = ["network.ModelConfig.emb_dim=64", "network.ModelConfig.head_dim=16
 def test_the_examples_are_found():
   names = {os.path.basename(p) for p in EXAMPLES}
   assert {"bible_translate_from_scratch.gin", "span_corruption_pretrain.gin",
-          "finetune_from_hf.gin", "docstring_summarize.gin"} <= names
+          "finetune_from_hf.gin", "docstring_summarize.gin", "prompt_tuning_from_hf.gin"} <= names
 
 
 @pytest.fixture(scope="module")

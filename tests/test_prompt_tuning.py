@@ -259,3 +259,67 @@ def test_bad_inputs_are_one_line_errors(base, peft_dir, tmp_path):
   wide = ours.config.replace(emb_dim=48)
   with pytest.raises(UserError, match="token_dim 32 does not match.*48"):
     prompt_lib.from_peft(src, wide)
+
+
+TRAIN_GIN = """
+include 'runs/finetune.gin'
+include 'models/t5_1_1/tiny.gin'
+include 'runs/prompt_tuning.gin'
+MIXTURE_OR_TASK_NAME = 'bible_translate_en_es'
+TASK_FEATURE_LENGTHS = {'inputs': 32, 'targets': 16}
+TRAIN_STEPS = 40
+BATCH_SIZE = 8
+DROPOUT_RATE = 0.0
+EVAL_PERIOD = 40
+EVAL_STEPS = 2
+EVALUATOR_NUM_EXAMPLES = 2
+PROMPT_LENGTH = 8
+prompt.PromptConfig.init = 'file'
+network.ModelConfig.vocab_size = 8000
+network.ModelConfig.dtype = 'float32'
+utils.SaveCheckpointConfig.period = 40
+train_script.train.stats_period = 1
+"""
+
+
+@pytest.mark.slow
+def test_prompt_tuning_trains_only_the_prompt_and_the_loss_falls(tmp_path):
+  """`t5forge train` with runs/prompt_tuning.gin on a frozen base: the checkpoint holds
+  the prompt alone (and its optimizer state), the prompt moved away from the .npy it
+  started from, the training loss fell over 40 steps at lr 0.3 (on a random base the
+  prompt can only shift the output distribution: measured 9.29 -> 9.10 nats, the mean
+  of the first and last 5 steps; asserted 0.1), and the inference evaluator decoded
+  with the prompt."""
+  from t5forge.convert import native
+  from t5forge.data import bundled_tasks
+  from t5forge.nn import adapters
+  from train_helpers import read_jsonl, run_train
+  base = t5forge.init("t5_1_1.tiny", vocab_size=8000, dropout_rate=0.0,
+                      vocabulary=bundled_tasks.VOCABULARY)
+  base_dir = str(tmp_path / "base")
+  base.save(base_dir)
+  start = np.random.default_rng(0).uniform(0, 0.5, (8, base.config.emb_dim)).astype(np.float32)
+  npy = str(tmp_path / "start.npy")
+  prompt_lib.save_npy(npy, start)
+  gin_file = tmp_path / "prompt.gin"
+  gin_file.write_text(TRAIN_GIN)
+  model_dir = tmp_path / "run"
+  r = run_train(str(gin_file), model_dir, f'INITIAL_CHECKPOINT_PATH="{base_dir}"',
+                f'prompt.PromptConfig.path="{npy}"')
+  assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+  rows = read_jsonl(model_dir / "metrics.jsonl")
+  train = [x["loss_per_nonpadding_target_token"] for x in rows if x["split"] == "train"]
+  assert len(train) >= 38 and np.mean(train[-5:]) < np.mean(train[:5]) - 0.1, train
+  assert any(x["split"].startswith("inference_eval/") for x in rows)
+  ckpt = str(model_dir / "checkpoint_40")
+  with open(os.path.join(ckpt, adapters.CONFIG_FILE)) as f:
+    record = json.load(f)
+  assert record["model"]["prompt"]["length"] == 8 and record["fingerprint"]
+  cfg = base.config.replace(prompt=PromptConfig(length=8, init="file", path=npy))
+  adapter, _ = adapters.split(t5nn.abstract_params(cfg))
+  assert list(t5nn.named_leaves(adapter)) == [prompt_lib.PATH]
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  restored = native.restore_params(ckpt, jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), adapter))
+  trained = prompt_lib.get_prompt(restored)
+  assert trained.shape == start.shape and np.abs(trained - start).max() > 1e-3

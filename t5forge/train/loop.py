@@ -328,7 +328,7 @@ class _Run:
         model=model, tx=tx, seed=self.seed, checkpointer=self.checkpointer,
         restore_cfg=checkpoint_cfg.restore, train_iter=self.train_iter,
         abstract=(self.abstract_params, self.abstract_opt), shardings=self.shardings, log=self.log,
-        allow_changed_data=self.allow_changed_data, adapter=self.adapter)
+        allow_changed_data=self.allow_changed_data, adapter=self.adapter, base=self.base)
     self.start = int(self.state.step)
     resumed = os.path.join(self.model_dir, f"checkpoint_{self.start}")
     if self.checkpointer.latest_step() is not None and os.path.isdir(resumed):
@@ -551,7 +551,8 @@ def _base_shardings(part: Partitioner, axes: dict, base: dict) -> dict:
 
 
 def _restore_or_init(*, model, tx, seed, checkpointer, restore_cfg, train_iter, abstract,
-                     shardings, log, allow_changed_data=False, adapter=False) -> TrainState:
+                     shardings, log, allow_changed_data=False, adapter=False,
+                     base=None) -> TrainState:
   """The restore order: MODEL_DIR's latest checkpoint, INITIAL_CHECKPOINT_PATH, scratch.
   Adapter training: the latest checkpoint, else a fresh adapter (the base is loaded
   apart, by `_Run.setup_base`)."""
@@ -582,6 +583,13 @@ def _restore_or_init(*, model, tx, seed, checkpointer, restore_cfg, train_iter, 
   else:
     init_params = jax.jit(model.init_params, out_shardings=shardings.params)
   params = init_params(jax.random.key(seed))
+  prompt_cfg = model.config.prompt
+  if adapter and prompt_cfg is not None and prompt_cfg.init != "uniform":
+    # Sampled-vocabulary and class-label prompts start from the base's own embeddings.
+    first = prompt_lib.initialize(prompt_cfg, base, model.vocabulary,
+                                  jax.random.fold_in(jax.random.key(seed), 1))
+    params = jax.device_put(prompt_lib.with_prompt(params, first), shardings.params)
+    log(f"prompt of {prompt_cfg.length} initialised by {prompt_cfg.init!r}")
   step = 0
   if restore_cfg is not None and restore_cfg.path and not adapter:
     params, step, scratch, notes = ckpt_lib.initial_params(restore_cfg, params,
