@@ -37,6 +37,7 @@ from t5forge.engine import offline
 from t5forge.decoding import text_ids
 from t5forge.errors import UserError
 from t5forge.nn import adapters, lora
+from t5forge.nn import prompt as prompt_lib
 from t5forge.nn.config import ModelConfig
 from t5forge.generation import Generator
 from t5forge.predict import DecodeOptions, features_from_tokens
@@ -346,26 +347,40 @@ class Model:
       print(f"note: {note}")
 
   # -- adapters -----------------------------------------------------------------------------
-  def _adapter_parts(self, what: str) -> tuple[dict, dict]:
+  def _adapter_parts(self, what: str, *, prompt: bool = False) -> tuple[dict, dict]:
     adapter, base = adapters.split(self.params)
-    if not adapters.has_adapter(self.params) or self.config.lora is None:
-      raise UserError(f"{what}: this model has no LoRA adapter; load one with "
-                      "t5forge.load(base, adapter=DIR)")
+    has = self.config.lora is not None or (prompt and self.config.prompt is not None)
+    if not adapters.has_adapter(self.params) or not has:
+      kind = "LoRA or prompt" if prompt else "LoRA"
+      raise UserError(f"{what}: this model has no {kind} adapter; load one with "
+                      "t5forge.load(base, adapter=DIR)" + (
+                          "" if prompt or self.config.prompt is None else
+                          " (a tuned prompt stays a prompt: it is not merged into weights)"))
     return adapter, base
 
   def _base_name(self) -> str:
     return self.checkpoint.path if self.checkpoint is not None else self.source
 
   def save_adapter(self, path: str, *, format: str = "t5forge") -> None:
-    """Writes the LoRA adapter alone: `format='t5forge'` (ours, with the base's path and
-    fingerprint, `nn.adapters.save`) or `'peft'` (`adapter_config.json` +
-    `adapter_model.safetensors`, which `peft.PeftModel.from_pretrained` loads)."""
+    """Writes the LoRA adapter (or tuned prompt) alone: `format='t5forge'` (ours, with the
+    base's path and fingerprint, `nn.adapters.save`) or `'peft'` (`adapter_config.json` +
+    `adapter_model.safetensors`, which `peft.PeftModel.from_pretrained` loads; a prompt as
+    peft's PROMPT_TUNING)."""
     if format not in ("t5forge", "peft"):
       raise UserError(f"save_adapter(format={format!r}): choose 't5forge' or 'peft'")
-    adapter, base = self._adapter_parts("save_adapter")
+    adapter, base = self._adapter_parts("save_adapter", prompt=True)
     adapter, base = jax.device_get(adapter), jax.device_get(base)
     if self.config.scan_layers:
       adapter, base = unstack_layers(adapter), unstack_layers(base)
+    if self.config.lora is None:  # a tuned prompt
+      plain = self.config.replace(scan_layers=False)
+      if format == "peft":
+        prompt_lib.to_peft(path, prompt_lib.get_prompt(adapter), plain,
+                           base_model_name_or_path=self._base_name())
+      else:
+        adapters.save(path, adapter, model_config=plain.to_dict(),
+                      record=peft.base_record(self._base_name(), base, plain))
+      return
     # Unscanned, with the ranks and scales the model runs (a scan: layer 0's everywhere).
     plain = self.config.replace(scan_layers=False,
                                 lora=peft.as_unscanned(self.config.lora, self.config))

@@ -166,9 +166,10 @@ def open_checkpoint(path: str, *, vocabulary=None, model=None, overrides: dict |
 
 
 def with_adapter(opened: Opened, adapter: str) -> Opened:
-  """`opened` with a LoRA adapter directory (ours or Hugging Face peft's,
-  `convert.peft.read_adapter`) added to its parameters: the model's config gains the
-  adapter's `lora`, and only the adapter's arrays are placed (the base stays where it is).
+  """`opened` with a LoRA or prompt-tuning adapter directory (ours or Hugging Face peft's,
+  `convert.peft.read_any`) added to its parameters: the model's config gains the
+  adapter's `lora` or `prompt`, and only the adapter's arrays are placed (the base stays
+  where it is).
 
   An adapter that records its base's fingerprint (ours) is checked against this base's;
   a mismatch is a UserError naming both.
@@ -177,17 +178,18 @@ def with_adapter(opened: Opened, adapter: str) -> Opened:
     raise UserError(f"--adapter {adapter}: {opened.checkpoint.path} already holds adapter "
                     "parameters; merge them first (`t5forge convert --merge`)")
   config = opened.config
-  lora_config, params = peft.read_adapter(adapter, config.replace(scan_layers=False),
-                                          fingerprint=adapters.fingerprint(opened.params),
-                                          base_name=opened.checkpoint.path)
-  if config.scan_layers:
+  changes, params = peft.read_any(adapter, config.replace(scan_layers=False),
+                                  fingerprint=adapters.fingerprint(opened.params),
+                                  base_name=opened.checkpoint.path)
+  lora_config = changes.get("lora")
+  if config.scan_layers and lora_config is not None:
     odd = peft.scan_mismatch(lora_config, config)
     if odd:
       raise UserError(f"adapter {adapter}: {odd} is adapted unlike layer 0 of its stack (rank "
                       f"{lora_config.rank_for(odd)}, scale {lora_config.scale_for(odd):g}); a "
                       "scanned model holds one update per stack: load with scan_layers=False")
     params = stack_layers(params)
-  model = models.model_for(config.replace(lora=lora_config), vocabulary=opened.vocabulary)
+  model = models.model_for(config.replace(**changes), vocabulary=opened.vocabulary)
   joined = adapters.join(params, opened.params)
   models.check_params_fit(model, joined, source=adapter)
   shardings = param_shardings(opened.partitioner, model, joined)

@@ -364,3 +364,34 @@ def test_peft_prompts_on_t5gemma_both_ways(family, tmp_path):
   back = PeftModel.from_pretrained(ref.load_hf_model(hf_dir), str(tmp_path / "ours")).eval()
   np.testing.assert_allclose(_with_prompt(ours, prompt_cfg, prompt * 0.5).logits(enc, dec),
                              _peft_logits(back, enc, dec), **TOL)
+
+
+def test_the_adapter_api_and_cli_take_prompts_both_formats(base, peft_dir, tmp_path):
+  """t5forge.load(base, adapter=peft PROMPT_TUNING dir) gives peft's logits; save_adapter
+  writes it as ours and as peft's; `convert --adapter` converts it and refuses --merge."""
+  import subprocess
+  import sys
+  path, _ = base
+  out, peft_model = peft_dir
+  tuned = t5forge.load(path, adapter=out)
+  assert tuned.config.prompt.length == P and tuned.config.lora is None
+  enc, dec = random_batch(tuned.config.vocab_size, enc_len=20, dec_len=8, seed=5)
+  want = _peft_logits(peft_model, enc, dec)
+  np.testing.assert_allclose(tuned.logits(enc, dec), want, **TOL)
+  tuned.save_adapter(str(tmp_path / "ours"))
+  tuned.save_adapter(str(tmp_path / "as_peft"), format="peft")
+  for d in ("ours", "as_peft"):
+    np.testing.assert_allclose(t5forge.load(path, adapter=str(tmp_path / d)).logits(enc, dec),
+                               want, **TOL)
+  with pytest.raises(UserError, match="not merged into weights"):
+    tuned.merge_adapter()
+  cli = [sys.executable, "-m", "t5forge", "convert", "--adapter", str(tmp_path / "ours"),
+         "--base", path]
+  r = subprocess.run(cli + ["--to", "peft", "--output", str(tmp_path / "cli_peft")],
+                     capture_output=True, text=True)
+  assert r.returncode == 0, r.stderr[-2000:]
+  cfg, arr = prompt_lib.from_peft(str(tmp_path / "cli_peft"), tuned.config)
+  np.testing.assert_array_equal(arr, prompt_lib.get_prompt(jax.device_get(tuned.params)))
+  r = subprocess.run(cli + ["--merge", "--to", "t5forge", "--output", str(tmp_path / "m")],
+                     capture_output=True, text=True)
+  assert r.returncode != 0 and "is a tuned prompt" in r.stderr.strip().splitlines()[-1]

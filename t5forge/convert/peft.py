@@ -42,6 +42,7 @@ from t5forge.convert.torch_pickle import load_torch_state_dict
 from t5forge.data import vocab_io
 from t5forge.errors import UserError
 from t5forge.nn import abstract_params, adapters, lora
+from t5forge.nn import prompt as prompt_lib
 from t5forge.nn.config import ModelConfig
 from t5forge.nn.stack import unstack_layers
 
@@ -259,9 +260,8 @@ def write_peft(path: str, lora_config: lora.LoraConfig, adapter_params: dict,
 def _check_supported(cfg: dict, source: str) -> None:
   peft_type = cfg.get("peft_type")
   if peft_type != "LORA":
-    raise UserError(f"{source}: peft_type {peft_type!r} is not a LoRA adapter; t5forge reads "
-                    "peft's LORA adapters here (PROMPT_TUNING ones are prompt-tuning "
-                    "checkpoints, see docs/training.md)")
+    raise UserError(f"{source}: peft_type {peft_type!r} is not supported; t5forge reads "
+                    "peft's LORA and PROMPT_TUNING adapters")
   for field, what in _UNSUPPORTED.items():
     if cfg.get(field):
       raise UserError(f"{source}: {field} = {cfg[field]!r} ({what}) is not supported by "
@@ -519,6 +519,36 @@ def read_adapter(path: str, base_config: ModelConfig, *, fingerprint: str | None
                   f"(t5forge) or {ADAPTER_CONFIG} + {ADAPTER_WEIGHTS} (peft)")
 
 
+def read_any(path: str, base_config: ModelConfig, *, fingerprint: str | None = None,
+             base_name: str = "this base") -> tuple[dict, dict]:
+  """A LoRA or prompt-tuning adapter of either format -> (the ModelConfig changes it needs,
+  {"lora": LoraConfig} or {"prompt": PromptConfig}; its parameters, unscanned).
+
+  Prompts: ours (`adapter.json` whose model has a `prompt`, or a prompt-tuning run's
+  MODEL_DIR / checkpoint) and peft's PROMPT_TUNING (`nn.prompt.from_peft`); the rest is
+  `read_adapter`'s."""
+  if os.path.isdir(path) and prompt_lib.is_peft_prompt(path):
+    cfg, arr = prompt_lib.from_peft(path, base_config)
+    return {"prompt": cfg}, prompt_lib.with_prompt({}, arr)
+  ours = os.path.isdir(path) and (native.is_native_checkpoint(path) or paths.is_model_dir(path)
+                                  or adapters.is_adapter_dir(path))
+  if ours:
+    params, model_config, record = (
+        adapters.load(path) if adapters.is_adapter_dir(path) else _training_checkpoint(path))
+    if (model_config or {}).get("prompt") and not model_config.get("lora"):
+      if fingerprint is not None:
+        adapters.check_base(record, fingerprint, adapter=path, base=base_name)
+      cfg = prompt_lib.as_config(model_config["prompt"])
+      arr = prompt_lib.get_prompt(params)
+      want = (cfg.length, base_config.encoder.emb_dim)
+      if arr.shape != want:
+        raise UserError(f"{path}: its prompt is {list(arr.shape)} but this base needs "
+                        f"{list(want)}; pass the checkpoint the prompt was tuned on")
+      return {"prompt": cfg}, prompt_lib.with_prompt({}, arr)
+  config, params = read_adapter(path, base_config, fingerprint=fingerprint, base_name=base_name)
+  return {"lora": config}, params
+
+
 def base_record(base_path: str, base_params: dict, base_config: ModelConfig) -> dict:
   """What our adapter format records of its base: the path, its fingerprint and how its
   kernels are stored."""
@@ -551,8 +581,12 @@ def convert_adapter(adapter: str | None, base: str | None, output: str, *, to: s
   ckpt = load_checkpoint(base)
   plain = relayout(ckpt.params, scanned=ckpt.config.scan_layers, to_scanned=False)
   base_config = ckpt.config.replace(scan_layers=False)
-  lora_config, params = read_adapter(adapter, base_config, fingerprint=adapters.fingerprint(plain),
-                                     base_name=base)
+  changes, params = read_any(adapter, base_config, fingerprint=adapters.fingerprint(plain),
+                             base_name=base)
+  if "prompt" in changes:
+    return _convert_prompt(adapter, changes["prompt"], params, base, plain, base_config, output,
+                           to=to, merge=merge)
+  lora_config = changes["lora"]
   n = sum(int(np.size(x)) for m in _flat_adapter(params).values() for x in m.values())
   lines = [f"read LoRA adapter {adapter}: {len(_flat_adapter(params))} modules, {n:,} "
            f"parameters, rank {lora_config.rank}, on {ckpt.format} base {ckpt.path}"]
@@ -573,3 +607,19 @@ def convert_adapter(adapter: str | None, base: str | None, output: str, *, to: s
       native.save(output, base_config, merged, extra_config={"vocabulary": vocab_io.to_spec(vocab)})
   what = "merged checkpoint" if merge else "adapter"
   return lines + [f"wrote {to} {what} to {output}"]
+
+
+def _convert_prompt(adapter, cfg, params, base, plain, base_config, output, *, to, merge):
+  """`convert --adapter` of a tuned prompt: to peft's PROMPT_TUNING or our format."""
+  if merge:
+    raise UserError(f"{adapter} is a tuned prompt: it has no weights to merge into the base's; "
+                    "use --to peft or --to t5forge without --merge")
+  arr = prompt_lib.get_prompt(params)
+  lines = [f"read tuned prompt {adapter}: {arr.shape[0]} positions x {arr.shape[1]}"]
+  config = base_config.replace(prompt=cfg)
+  if to == "peft":
+    prompt_lib.to_peft(output, arr, config, base_model_name_or_path=base)
+  else:
+    adapters.save(output, params, model_config=config.to_dict(),
+                  record=base_record(base, plain, base_config))
+  return lines + [f"wrote {to} adapter to {output}"]
