@@ -462,8 +462,10 @@ class Generator:
       self._fns["encode"] = jax.jit(self.model.encode)
     with self._context():
       placed = self._place({"inputs": inputs, "valid": valid})
-      return multihost.to_host(self._fns["encode"](self.params, placed["inputs"],
-                                                   placed["valid"]))
+      out = multihost.to_host(self._fns["encode"](self.params, placed["inputs"],
+                                                  placed["valid"]))
+    # A tuned prompt's positions come first (`nn.prompt`): the tokens' states are the last i.
+    return out[:, out.shape[1] - inputs.shape[1]:]
 
   def warmup(self, kinds, batch_sizes, input_lengths, decode_lengths) -> int:
     """Compiles generation for every combination of the given Kinds and shapes (a run of

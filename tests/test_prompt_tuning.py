@@ -395,3 +395,18 @@ def test_the_adapter_api_and_cli_take_prompts_both_formats(base, peft_dir, tmp_p
   r = subprocess.run(cli + ["--merge", "--to", "t5forge", "--output", str(tmp_path / "m")],
                      capture_output=True, text=True)
   assert r.returncode != 0 and "is a tuned prompt" in r.stderr.strip().splitlines()[-1]
+
+
+def test_the_generators_encode_returns_the_tokens_states_only(base):
+  """/v1/embeddings pools Generator.encode over the tokens' mask: with a prompt, the
+  prompt's positions are left out and the tokens' states are the tuned encoder's."""
+  from t5forge.generation import Generator
+  _, ours = base
+  cfg = PromptConfig(length=P)
+  prompt = np.random.default_rng(1).normal(size=(P, ours.config.emb_dim)).astype(np.float32)
+  tuned = _with_prompt(ours, cfg, prompt)
+  enc, _ = random_batch(ours.config.vocab_size, enc_len=12, dec_len=4, seed=3)
+  gen = Generator(tuned.model, tuned.params)
+  out = gen.encode(enc, enc > 0)
+  assert out.shape == (enc.shape[0], enc.shape[1], ours.config.emb_dim)
+  np.testing.assert_allclose(out, np.asarray(tuned.encode(enc))[:, P:], rtol=1e-5, atol=1e-5)
