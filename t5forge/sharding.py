@@ -28,6 +28,7 @@ RELPOS_BUCKETS = "relpos_buckets"
 LAYERS = "layers"  # the stacked axis of scanned layers
 LORA_RANK = "lora_rank"  # the rank axis of LoRA updates (`t5forge.nn.lora`): replicated
 PROMPT = "prompt"  # the positions of a tuned prompt (nn/prompt.py): never sharded
+LORA_ADAPTERS = "lora_adapters"  # stacked adapters' axis (`lora.LoraConfig.stacked`): replicated
 
 # Activation axes.
 BATCH = "batch"
@@ -39,7 +40,7 @@ ACT_KV = "kv"
 ACT_VOCAB = "vocab"
 
 PARAM_AXES = (VOCAB, EMBED, MLP, HEADS, KV, JOINED_KV, KV_HEADS, RELPOS_BUCKETS, LAYERS,
-              LORA_RANK, PROMPT)
+              LORA_RANK, PROMPT, LORA_ADAPTERS)
 
 ACTIVATION_AXES = (BATCH, LENGTH, ACT_EMBED, ACT_MLP, ACT_HEADS, ACT_KV, ACT_VOCAB)
 KNOWN_AXES = tuple(dict.fromkeys(PARAM_AXES + ACTIVATION_AXES))
@@ -76,7 +77,7 @@ def standard_logical_axis_rules(activation_partitioning_dims: int = 1,
   else:
     rules += [(EMBED, MODEL), (EMBED, DATA)]
   rules += [(RELPOS_BUCKETS, None), (LENGTH, None), (LAYERS, None), (LORA_RANK, None),
-            (PROMPT, None)]
+            (PROMPT, None), (LORA_ADAPTERS, None)]
   rules += list(additional_rules)
   return rules
 

@@ -136,7 +136,8 @@ def _lora_a_init(key, shape, dtype=jnp.float32):
 def adapted(module: nn.Module, kernel: jax.Array, kernel_axes: tuple[str, str],
             lora: lora_lib.LoraConfig | None, deterministic: bool):
   """kernel, or `matmul.Lora` with this module's update parameters when `lora` targets
-  its path (`lora_a` [in, r], `lora_b` [r, out], created beside `kernel`)."""
+  its path (`lora_a` [in, r], `lora_b` [r, out], created beside `kernel`; stacked
+  adapters: [N, in, R] and [N, R, out], filled by `lora.stack`, zeros until then)."""
   if lora is None:
     return kernel
   path = "/".join(module.path)
@@ -144,6 +145,13 @@ def adapted(module: nn.Module, kernel: jax.Array, kernel_axes: tuple[str, str],
   if not rank:
     return kernel
   i, o = kernel.shape[-2:]
+  if lora.stacked:
+    n, stacked = lora.stacked, (lora_lib.ADAPTERS_AXIS,)
+    a = param_with_axes(module, lora_lib.A, nn.initializers.zeros, (n, i, rank),
+                        stacked + (kernel_axes[0], lora_lib.RANK_AXIS))
+    b = param_with_axes(module, lora_lib.B, nn.initializers.zeros, (n, rank, o),
+                        stacked + (lora_lib.RANK_AXIS, kernel_axes[1]))
+    return matmul.Lora(kernel, a, b, 1.0)  # the scales are folded into b
   if rank > min(i, o):
     raise UserError(f"lora.LoraConfig: rank {rank} at {lora_lib.canonical(path)} is larger than "
                     f"its kernel [{i}, {o}] allows; use a rank of at most {min(i, o)}")

@@ -16,15 +16,28 @@ without the trailing `kernel`: `encoder/layers_0/attention/query`,
 `decoder/layers_3/encoder_decoder_attention/value`, `decoder/layers_0/mlp/wo`. Under
 `scan_layers` one module serves every layer: its path is matched as layer 0's.
 
-Shape letters (docs/shapes.md): i input features, o output features, r rank, L layers.
+Stacked adapters (`LoraConfig.stacked` = N, what `t5forge serve --adapter` runs): N
+adapters on one base, one chosen per row. Every `lora_a` is [N, i, R] and every `lora_b`
+[N, R, o] (after the scanned layers axis), each adapter's scale folded into its `lora_b`
+and its rank zero-padded to the largest, R; adapter 0 is all zeros, the base itself.
+`stack` builds them; `row_adapters(ids)`, entered inside the traced function, gives the
+layers each row's adapter. The stacked weights and the ids are ordinary inputs of fixed
+shapes, so any mix of adapters in a batch runs one compiled function.
+
+Shape letters (docs/shapes.md): i input features, o output features, r rank, L layers,
+N stacked adapters, R their padded rank, b rows.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 import re
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from t5forge import sharding as ax
@@ -41,6 +54,7 @@ PRESETS = {
     "all-linear": ATTENTION + MLP,
 }
 RANK_AXIS = ax.LORA_RANK  # the logical axis of the rank dimension
+ADAPTERS_AXIS = ax.LORA_ADAPTERS  # the logical axis of stacked adapters
 A, B = "lora_a", "lora_b"
 
 
@@ -58,6 +72,8 @@ class LoraConfig:
       'encoder_decoder_attention/query'); or 're:<regex>' fullmatched against the path.
     rank_pattern / alpha_pattern: (regex, value) pairs overriding rank / alpha for the
       targeted paths they match as suffixes (peft's semantics; the first match wins).
+    stacked: N >= 2: N adapters stacked on a leading axis, chosen per row (`stack`,
+      `row_adapters`); their scales are folded in (`scale_for` is 1). 0: one adapter.
   """
 
   rank: int = 8
@@ -67,6 +83,7 @@ class LoraConfig:
   targets: str = "qv"
   rank_pattern: tuple[tuple[str, int], ...] = ()
   alpha_pattern: tuple[tuple[str, float], ...] = ()
+  stacked: int = 0
 
   def __post_init__(self):
     # Gin and JSON hand us lists and dicts; keep the dataclass hashable.
@@ -81,6 +98,12 @@ class LoraConfig:
                       "positive integer, e.g. 8")
     if not 0.0 <= float(self.dropout) < 1.0:
       problems.append(f"dropout must be in [0, 1), got {self.dropout}")
+    if isinstance(self.stacked, bool) or not isinstance(self.stacked, (int, np.integer)) or \
+        self.stacked < 0 or self.stacked == 1:
+      problems.append(f"stacked must be 0 (one adapter) or the number of stacked adapters "
+                      f">= 2, got {self.stacked!r}")
+    elif self.stacked and float(self.dropout):
+      problems.append("stacked adapters are for inference: dropout must be 0")
     targets = str(self.targets)
     if targets.startswith("re:"):
       try:
@@ -122,6 +145,8 @@ class LoraConfig:
   def scale_for(self, path: str) -> float:
     """alpha / r (rsLoRA: alpha / sqrt(r)) at path, after the patterns."""
     rank = self.rank_for(path)
+    if self.stacked:
+      return 1.0 if rank else 0.0  # folded into each adapter's lora_b by `stack`
     alpha = float(_first_match(self.alpha_pattern, canonical(path), self.alpha))
     return alpha / (math.sqrt(rank) if self.rslora else rank) if rank else 0.0
 
@@ -211,3 +236,99 @@ def merge(params: dict, config: LoraConfig) -> dict:
 
   return walk(params, "")
 
+
+
+# -- stacked adapters: several adapters on one base, one chosen per row -----------------------
+_ROWS: contextvars.ContextVar = contextvars.ContextVar("t5forge_lora_rows", default=None)
+
+
+@contextlib.contextmanager
+def row_adapters(ids):
+  """While tracing, inside a jitted function: the layers of a model of stacked adapters
+  take adapter ids[r] for row r of their inputs (0: the base).
+
+  Args:
+    ids: [b] int32 (traced), or None: no choice (a model without stacked adapters, which
+      never reads it). Beams and samples are b * n rows, the n copies of a row adjacent
+      (as `t5forge.decoding` lays them out): each id is repeated n times.
+  """
+  token = _ROWS.set(ids)
+  try:
+    yield
+  finally:
+    _ROWS.reset(token)
+
+
+def row_ids(rows: int) -> jax.Array:
+  """The adapter of each of `rows` rows [rows] int32, from the enclosing `row_adapters`;
+  outside one (initialising, shape probes) every row takes adapter 0, the base."""
+  ids = _ROWS.get()
+  if ids is None:
+    return jnp.zeros((rows,), jnp.int32)
+  n = ids.shape[0]
+  if rows == n:
+    return ids
+  if rows % n:
+    raise ValueError(f"{rows} rows for {n} adapter ids: not a multiple of them")
+  return jnp.repeat(ids, rows // n)
+
+
+def stacked_count(config) -> int:
+  """N, the stacked adapters (the base included) of a ModelConfig; 0: none stacked."""
+  lc = getattr(config, "lora", None)
+  return int(lc.stacked) if lc is not None else 0
+
+
+def _node(tree: dict, path: str) -> dict:
+  for part in path.split("/"):
+    tree = tree[part]
+  return tree
+
+
+def stack(items: list[tuple[LoraConfig, dict]]) -> tuple[LoraConfig, dict]:
+  """N - 1 adapters of one base as one model of N stacked adapters.
+
+  Args:
+    items: (LoraConfig, adapter params) per adapter, each an unscanned nested dict with
+      `lora_a` [i, r] / `lora_b` [r, o] leaves (`adapters.load`'s layout); the adapters may
+      differ in targets, ranks and scales.
+
+  Returns:
+    (the stacked LoraConfig: the union of the targets, rank R = the largest, `stacked`
+    N = len(items) + 1; the stacked params: at every targeted path `lora_a` [N, i, R] and
+    `lora_b` [N, R, o] float32 with adapter k = items[k - 1] (its lora_b times its scale,
+    zeros where it has no update or past its rank) and adapter 0 zeros).
+  """
+  if not items:
+    raise UserError("lora.stack needs at least one adapter")
+  shapes: dict[str, tuple[int, int]] = {}
+  for config, tree in items:
+    for path in targets(tree):
+      node = _node(tree, path)
+      shapes.setdefault(path, (node[A].shape[0], node[B].shape[1]))
+      if shapes[path] != (node[A].shape[0], node[B].shape[1]):
+        raise UserError(f"the adapters' updates at {path} have different shapes "
+                        f"{shapes[path]} and {(node[A].shape[0], node[B].shape[1])}: they "
+                        "are not of one base")
+  if not shapes:
+    raise UserError("the adapters hold no LoRA parameters (lora_a / lora_b) to stack")
+  rank = max(_node(tree, p)[A].shape[1] for _, tree in items for p in targets(tree))
+  n = len(items) + 1
+  out: dict = {}
+  for path, (i, o) in sorted(shapes.items()):
+    a = np.zeros((n, i, rank), np.float32)
+    b = np.zeros((n, rank, o), np.float32)
+    for k, (config, tree) in enumerate(items, start=1):
+      try:
+        node = _node(tree, path)
+      except KeyError:
+        continue  # this adapter leaves the module as the base has it
+      r = node[A].shape[1]
+      a[k, :, :r] = np.asarray(node[A], np.float32)
+      b[k, :r, :] = np.asarray(node[B], np.float32) * np.float32(config.scale_for(path))
+    parent = out
+    for part in path.split("/"):
+      parent = parent.setdefault(part, {})
+    parent.update({A: a, B: b})
+  union = "|".join(re.escape(canonical(p)) for p in sorted(shapes))
+  return LoraConfig(rank=rank, alpha=float(rank), targets=f"re:(?:{union})", stacked=n), out

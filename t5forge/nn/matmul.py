@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from t5forge.nn import lora as lora_lib
 from t5forge.nn import quant, stack
 
 # dense_multi concatenates the kernels only for products of at least this many rows.
@@ -139,7 +140,9 @@ class Lora(NamedTuple):
 
   Attributes:
     kernel: [i, o] float (any float dtype) or an int8 `quant.QArray`.
-    a: [i, r]; b: [r, o] (float32 parameters).
+    a: [i, r]; b: [r, o] (float32 parameters). Stacked adapters (`lora.stack`): a
+      [N, i, R], b [N, R, o] with the scales folded in; each row takes its own adapter's
+      (`lora.row_adapters`).
   """
 
   kernel: jax.Array | quant.QArray
@@ -157,11 +160,27 @@ class Lora(NamedTuple):
 def _lora_delta(x: jax.Array, k: Lora, out_dtype) -> jax.Array:
   """scale * (dropout(x) @ a) @ b for x [..., i] -> [..., o] in out_dtype; both products in
   x's dtype (the rank-r intermediate rounded to it, as under torch autocast)."""
+  if k.a.ndim == 3:
+    return _stacked_delta(x, k, out_dtype)
   if k.rng is not None and k.dropout_rate > 0:
     keep = jax.random.bernoulli(k.rng, 1.0 - k.dropout_rate, x.shape)
     x = jnp.where(keep, x / (1.0 - k.dropout_rate), 0).astype(x.dtype)
   h = dense(x, k.a, out_dtype=x.dtype)  # [..., r]
   return (dense(h, k.b, out_dtype=jnp.float32) * jnp.float32(k.scale)).astype(out_dtype)
+
+
+def _stacked_delta(x: jax.Array, k: Lora, out_dtype) -> jax.Array:
+  """Each row's own update, x [b, ..., i] -> [b, ..., o] in out_dtype, for stacked a
+  [N, i, R], b [N, R, o]: the rows' factors are gathered ([b, i, R], [b, R, o], small next
+  to the kernel) rather than every adapter applied to every row (N times the FLOPs)."""
+  ids = lora_lib.row_ids(x.shape[0])
+  rows = x.reshape(x.shape[0], -1, x.shape[-1])  # [b, t, i]
+  a = jnp.take(k.a, ids, axis=0).astype(x.dtype)  # [b, i, R]
+  b = jnp.take(k.b, ids, axis=0).astype(x.dtype)  # [b, R, o]
+  h = jnp.einsum("bti,bir->btr", rows, a,
+                 preferred_element_type=accumulation_dtype(x.dtype)).astype(x.dtype)
+  y = jnp.einsum("btr,bro->bto", h, b, preferred_element_type=jnp.float32)
+  return y.reshape(*x.shape[:-1], y.shape[-1]).astype(out_dtype)
 
 
 def dense(x: jax.Array, kernel: jax.Array | quant.QArray | Lora, out_dtype=None) -> jax.Array:
