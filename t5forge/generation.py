@@ -21,6 +21,11 @@ min_log_prob, seed) are traced, so changing them does not recompile. A streamed 
 tokens (one host round trip per chunk, not per token); the cache is donated between
 calls so XLA updates it in place.
 
+A model of stacked LoRA adapters (`t5forge.nn.lora`, `LoraConfig.stacked`, what `t5forge
+serve --adapter` runs) takes one more traced [b] int32 array, each row's adapter (0:
+the base), given as `adapters=` to `generate`, `score` and `encode`: rows for different
+adapters share a batch and a compiled function.
+
 Shape letters (docs/shapes.md): b batch, n num_decodes, i input length, l decode length,
 k top_logprobs.
 """
@@ -36,11 +41,14 @@ import numpy as np
 
 from t5forge import decoding, multihost
 from t5forge.errors import UserError
+from t5forge.nn import lora
 from t5forge.predict import METHODS, DecodeOptions, features_from_tokens
 
 MAX_TOP_LOGPROBS = 5  # OpenAI's limit for `logprobs`
 # Bound on one whole-length advance call: the loop ends before it when every row is done.
 _ALL_STEPS = 2 ** 30
+# The feature of a score batch that holds each row's adapter [b] (stacked LoRA models).
+ADAPTER_FEATURE = "adapter_ids"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +159,8 @@ class Generator:
     # The ids that end a row: eos_id, or several (ModelConfig.eos_token_ids).
     self.stop_ids = model.stop_ids
     self.is_encoder_decoder = bool(model.config.is_encoder_decoder)
+    # N > 0: the model's LoRA weights are N stacked adapters, chosen per row.
+    self.adapter_count = lora.stacked_count(model.config)
     self._fns: dict[tuple, Callable] = {}
 
   # -- compiled functions ------------------------------------------------------------------
@@ -158,11 +168,27 @@ class Generator:
     key = "encoder_input_tokens" if self.is_encoder_decoder else "decoder_input_tokens"
     return {key: inputs}
 
+  def _adapters(self, adapters, b: int) -> np.ndarray | None:
+    """Each row's adapter [b] int32 (default 0, the base) for a model of stacked adapters;
+    None for any other model, which has no adapters to choose."""
+    if not self.adapter_count:
+      if adapters is not None and np.any(np.asarray(adapters) != 0):
+        raise UserError("adapters= chooses among stacked LoRA adapters; this model has none "
+                        "(serve it with --adapter name=path)")
+      return None
+    ids = _per_row(0 if adapters is None else adapters, "adapters", b, np.int32)
+    if np.any((ids < 0) | (ids >= self.adapter_count)):
+      raise UserError(f"adapters must be in 0..{self.adapter_count - 1} (0: the base), got "
+                      f"{ids.tolist()}")
+    return ids
+
   def _sample_fns(self, kind: Kind, length: int):
     """(start, advance) jitted for one Kind and decode length (shapes key jax's cache).
 
-    start(params, inputs [b, i], max_new [b], temperature [b], topp [b], rng) -> state
-    advance(params, state (donated), steps []) -> (state, view dict, all_done [])
+    start(params, inputs [b, i], max_new [b], temperature [b], topp [b], rng, adapters
+      [b] | None) -> state
+    advance(params, state (donated), steps [], adapters [b] | None) -> (state, view dict,
+      all_done [])
     """
     key = ("sample", kind, length)
     if key in self._fns:
@@ -171,18 +197,21 @@ class Generator:
     greedy = kind.method == "greedy"
     eos = self.stop_ids
 
-    def start(params, inputs, max_new, temperature, topp, rng):
-      setup = model.decode_setup(params, self._batch(inputs), length)
+    def start(params, inputs, max_new, temperature, topp, rng, adapters):
+      with lora.row_adapters(adapters):
+        setup = model.decode_setup(params, self._batch(inputs), length)
       return decoding.sample_init(
           setup.inputs, setup.cache, decode_rng=rng, num_decodes=n,
           temperature=temperature, topk=kind.topk, topp=topp,
           initial_index=setup.initial_index, max_decode_steps=max_new, top_logprobs=k)
 
-    def advance(params, state, steps, input_length):
+    def advance(params, state, steps, adapters, input_length):
       cache_length, offset = model.decode_layout(input_length, length)
-      state = decoding.sample_advance(
-          state, model.decode_step(params, cache_length), eos_id=eos, topk=kind.topk,
-          greedy_only=greedy, use_topp=not greedy and kind.topk == 0, steps=steps)
+      # The adapters [b] are repeated to the n decodes of each row by the layers.
+      with lora.row_adapters(adapters):
+        state = decoding.sample_advance(
+            state, model.decode_step(params, cache_length), eos_id=eos, topk=kind.topk,
+            greedy_only=greedy, use_topp=not greedy and kind.topk == 0, steps=steps)
       decodes, scores, aux = decoding.sample_result(state, n)
       window = slice(offset, offset + length)  # new token j is decodes[offset + j]
       view = {"tokens": decodes[:, :, window], "scores": scores,
@@ -199,20 +228,23 @@ class Generator:
     return fns
 
   def _beam_fn(self, kind: Kind, length: int):
-    """beam(params, inputs [b, i], max_new [b], alpha [], min_log_prob [b]) -> (decodes
+    """beam(params, inputs [b, i], max_new [b], alpha [], min_log_prob [b], adapters [b] |
+    None) -> (decodes
     [b, n, l], aux: scores [b, n], token_log_probs [b, n, l], top_ids / top_log_probs
     [b, n, l, k])."""
     key = ("beam", kind, length)
     if key not in self._fns:
       model = self.model
 
-      def beam(params, inputs, max_new, alpha, min_log_prob):
-        return model.predict_batch_with_aux(
-            params, self._batch(inputs), None,
-            decoder_params={"alpha": alpha, "max_decode_steps": max_new,
-                            "min_log_prob": min_log_prob, "log_probs": kind.top_logprobs},
-            num_decodes=kind.num_decodes, return_all_decodes=True, max_decode_length=length,
-            decode_fn=decoding.beam_search)
+      def beam(params, inputs, max_new, alpha, min_log_prob, adapters):
+        # The layers repeat the adapters [b] to the flat beams (row e * n + j).
+        with lora.row_adapters(adapters):
+          return model.predict_batch_with_aux(
+              params, self._batch(inputs), None,
+              decoder_params={"alpha": alpha, "max_decode_steps": max_new,
+                              "min_log_prob": min_log_prob, "log_probs": kind.top_logprobs},
+              num_decodes=kind.num_decodes, return_all_decodes=True,
+              max_decode_length=length, decode_fn=decoding.beam_search)
 
       self._fns[key] = jax.jit(beam)
     return self._fns[key]
@@ -244,8 +276,8 @@ class Generator:
   def generate(self, kind: Kind, inputs: np.ndarray, *, decode_length: int,
                max_new_tokens, temperature, topp, alpha: float = 0.6, seed: int = 0,
                min_log_prob=None, stream: bool = False,
-               on_chunk: Callable[[np.ndarray, np.ndarray, np.ndarray], Any] | None = None
-               ) -> Generated:
+               on_chunk: Callable[[np.ndarray, np.ndarray, np.ndarray], Any] | None = None,
+               adapters=None) -> Generated:
     """Decodes new tokens for each row of `inputs`.
 
     Args:
@@ -264,6 +296,8 @@ class Generator:
         on_chunk(tokens [b, n, l] so far, lengths [b, n], finished [b, n]) after each;
         False runs the whole loop in one call (on_chunk, if given, once at the end).
         Beam search always runs whole (on_chunk once).
+      adapters: a model of stacked LoRA adapters: [b] int, each row's (0: the base;
+        default all 0).
 
     Returns:
       a Generated (numpy arrays, n sorted by score, best last).
@@ -301,18 +335,20 @@ class Generator:
                       np.float32)
     if np.any(np.isnan(min_lp)):
       raise UserError(f"min_log_prob must be a number or -inf, got {min_lp.tolist()}")
+    ids = self._adapters(adapters, b)
     with self._context():
       if kind.method == "beam":
-        return self._beam(kind, inputs, length, max_new, alpha, min_lp, on_chunk)
+        return self._beam(kind, inputs, length, max_new, alpha, min_lp, on_chunk, ids)
       start, advance = self._sample_fns(kind, length)
       placed = self._place({"inputs": inputs, "max_new": max_new, "temperature": temperature,
-                            "topp": topp})
+                            "topp": topp, "adapters": ids})
       state = start(self.params, placed["inputs"], placed["max_new"], placed["temperature"],
-                    placed["topp"], jax.random.key(seed))
+                    placed["topp"], jax.random.key(seed), placed["adapters"])
       steps = np.int32(self.chunk_tokens if stream else _ALL_STEPS)
       i = inputs.shape[1]
       while True:
-        state, view, all_done = advance(self.params, state, steps, input_length=i)
+        state, view, all_done = advance(self.params, state, steps, placed["adapters"],
+                                        input_length=i)
         all_done = bool(multihost.to_host(all_done))
         if on_chunk is not None and (stream or all_done):
           on_chunk(multihost.to_host(view["tokens"]), multihost.to_host(view["lengths"]),
@@ -326,11 +362,13 @@ class Generator:
                      top_logprobs=out.get("top_logprobs"), lengths=out["lengths"],
                      finished=out["finished"])
 
-  def _beam(self, kind, inputs, length, max_new, alpha, min_log_prob, on_chunk) -> Generated:
-    placed = self._place({"inputs": inputs, "max_new": max_new, "min_log_prob": min_log_prob})
+  def _beam(self, kind, inputs, length, max_new, alpha, min_log_prob, on_chunk,
+            adapters) -> Generated:
+    placed = self._place({"inputs": inputs, "max_new": max_new, "min_log_prob": min_log_prob,
+                          "adapters": adapters})
     decodes, aux = self._beam_fn(kind, length)(self.params, placed["inputs"],
                                                placed["max_new"], jnp.float32(alpha),
-                                               placed["min_log_prob"])
+                                               placed["min_log_prob"], placed["adapters"])
     tokens = multihost.to_host(decodes)
     aux = {name: multihost.to_host(x) for name, x in aux.items()}
     is_eos = np.isin(tokens, self.stop_ids)
@@ -351,13 +389,14 @@ class Generator:
                      top_logprobs=aux["top_log_probs"] if k else None, lengths=lengths,
                      finished=finished)
 
-  def score(self, inputs: np.ndarray, targets: np.ndarray) -> np.ndarray:
+  def score(self, inputs: np.ndarray, targets: np.ndarray, adapters=None) -> np.ndarray:
     """Summed log-likelihood of each target given its input.
 
     Args:
       inputs: [b, i] int32 as `generate` takes them; a decoder-only prompt is scored as
         given (`interactive.Model.score` appends EOS to its inputs first).
       targets: [b, t] int32 ending in EOS, 0-padded.
+      adapters: as `generate`'s.
 
     Returns:
       [b] float32 (EOS included), as `interactive.Model.score`.
@@ -373,6 +412,9 @@ class Generator:
     batch = features_from_tokens(xs, ys, encoder_decoder=self.is_encoder_decoder,
                                  input_length=body.shape[1], target_length=targets.shape[1],
                                  eos=self.eos_id, rows=len(xs))
+    ids = self._adapters(adapters, len(xs))
+    if ids is not None:
+      batch[ADAPTER_FEATURE] = ids
     return self.score_batch(batch)
 
   # -- feature batches (SeqIO's model features) ---------------------------------------------
@@ -386,7 +428,14 @@ class Generator:
     """Summed target log-likelihood per example [b] of a feature batch
     (`predict.features_from_tokens`' keys, host or device arrays [b, ...])."""
     if "score" not in self._fns:
-      self._fns["score"] = jax.jit(self.model.score_batch, **self._score_jit)
+      model = self.model
+
+      def score(params, batch):
+        batch = dict(batch)
+        with lora.row_adapters(batch.pop(ADAPTER_FEATURE, None)):
+          return model.score_batch(params, batch)
+
+      self._fns["score"] = jax.jit(score, **self._score_jit)
     with self._context():
       return multihost.to_host(self._fns["score"](self._params(params), self._place(batch)))
 
@@ -441,13 +490,14 @@ class Generator:
                                                    jax.random.key(opts.seed), traced)
     return multihost.to_host(tokens), multihost.to_host(aux["scores"])
 
-  def encode(self, inputs: np.ndarray, valid: np.ndarray) -> np.ndarray:
+  def encode(self, inputs: np.ndarray, valid: np.ndarray, adapters=None) -> np.ndarray:
     """The encoder's last hidden states (what /v1/embeddings pools).
 
     Args:
       inputs: [b, i] int32 encoder tokens, 0-padded.
       valid: [b, i] bool, the positions attended to as keys: the real tokens, or also
         padding that is content (Flux / SD3's unmasked T5).
+      adapters: as `generate`'s (each row's adapted encoder).
 
     Returns:
       [b, i, e] float32 numpy.
@@ -458,12 +508,19 @@ class Generator:
     if inputs.ndim != 2 or valid.shape != inputs.shape:
       raise UserError(f"inputs and valid must be [batch, length] alike, got "
                       f"{list(inputs.shape)} and {list(valid.shape)}")
+    ids = self._adapters(adapters, inputs.shape[0])
     if "encode" not in self._fns:
-      self._fns["encode"] = jax.jit(self.model.encode)
+      model = self.model
+
+      def encode(params, tokens, valid, adapters):
+        with lora.row_adapters(adapters):
+          return model.encode(params, tokens, valid)
+
+      self._fns["encode"] = jax.jit(encode)
     with self._context():
-      placed = self._place({"inputs": inputs, "valid": valid})
+      placed = self._place({"inputs": inputs, "valid": valid, "adapters": ids})
       out = multihost.to_host(self._fns["encode"](self.params, placed["inputs"],
-                                                  placed["valid"]))
+                                                  placed["valid"], placed["adapters"]))
     # A tuned prompt's positions come first (`nn.prompt`): the tokens' states are the last i.
     return out[:, out.shape[1] - inputs.shape[1]:]
 

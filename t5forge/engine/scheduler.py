@@ -87,6 +87,7 @@ class Row:
     priority: lower is admitted first.
     min_tokens: the stop ids cannot be drawn before this many new tokens.
     ignore_eos: a stop id does not end the row: it writes max_new_tokens tokens.
+    adapter: the stacked LoRA adapter it decodes with (0: the base model).
   """
   ids: list[int]
   max_new_tokens: int
@@ -98,6 +99,7 @@ class Row:
   priority: int = 0
   min_tokens: int = 0
   ignore_eos: bool = False
+  adapter: int = 0
   on_tokens: Callable | None = None
   done: Callable = lambda result: None
   enqueued: float = dataclasses.field(default_factory=time.monotonic)
@@ -288,7 +290,7 @@ class Engine(QueueWorker):
         self.metrics.queue_time.observe(start - r.enqueued)
     rows = [InsertRow(ids=r.ids, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                       top_k=r.top_k, top_p=r.top_p, seed=r.seed, sample=r.sample,
-                      min_tokens=r.min_tokens, ignore_eos=r.ignore_eos)
+                      min_tokens=r.min_tokens, ignore_eos=r.ignore_eos, adapter=r.adapter)
             for r, _ in admitted]
     try:
       self.slots.insert(rows, [s for _, s in admitted])

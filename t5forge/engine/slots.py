@@ -10,7 +10,10 @@ functions that act on them.
 A slot holds one decode: the decoder's cache (its self-attention keys/values, the
 encoder's keys/values projected once at insert, the encoder's padding mask, and its own
 position), its last token, how many tokens it may still write, its sampling options and
-its PRNG key, and vLLM's decode controls (min_tokens, ignore_eos). Everything is one
+its PRNG key, vLLM's decode controls (min_tokens, ignore_eos), and which LoRA adapter
+it decodes with (a model of stacked adapters, `t5forge.nn.lora`; 0 is the base: its
+encoder runs and its decoder steps pick that adapter's weights per row, so requests for
+different adapters share one step and one compiled function). Everything is one
 pytree (`SlotState`) that both functions take donated, so XLA updates it in place; with
 a partitioner its slot axis is split over the data axes.
 
@@ -37,6 +40,7 @@ from jax import lax
 
 from t5forge import decoding, multihost
 from t5forge.errors import UserError
+from t5forge.nn import lora
 from t5forge.sharding import Partitioner
 
 TOP_LOGPROBS = 5  # top log-probs computed for every token (OpenAI's limit)
@@ -55,6 +59,7 @@ class SlotState(NamedTuple):
   key: jax.Array  # [s, 2] uint32 the row's key (`jax.random.key_data`)
   min_tokens: jax.Array  # [s] int32 stop ids cannot be drawn before this many new tokens
   ignore_eos: jax.Array  # [s] bool: a stop id does not end the row (it runs to its limit)
+  adapter: jax.Array  # [s] int32 the row's LoRA adapter (0: the base; `lora.row_adapters`)
 
 
 class StepOut(NamedTuple):
@@ -79,6 +84,7 @@ class InsertRow:
   sample: int = 0  # which of a request's n samples
   min_tokens: int = 0  # stop ids are masked until this many new tokens (vLLM's min_tokens)
   ignore_eos: bool = False  # stop ids do not end the row (vLLM's ignore_eos)
+  adapter: int = 0  # the stacked LoRA adapter it decodes with (0: the base)
 
 
 def _leaf_name(path) -> str:
@@ -167,10 +173,14 @@ class Slots:
     self._plans: dict[tuple[int, int], tuple[int, ...]] = {}
 
   # -- layout -------------------------------------------------------------------------------
-  def _new_cache(self, params, tokens):
-    """The encoder run and a fresh decoder cache for tokens [e, i] (cache length l)."""
-    return self.model.decode_setup(params, {"encoder_input_tokens": tokens},
-                                   self.decode_length).cache
+  def _new_cache(self, params, tokens, adapter=None):
+    """The encoder run and a fresh decoder cache for tokens [e, i] (cache length l),
+    each row with its adapter `adapter` [e] int32 (None: the base)."""
+    if adapter is None:
+      adapter = jnp.zeros(tokens.shape[:1], jnp.int32)
+    with lora.row_adapters(adapter):
+      return self.model.decode_setup(params, {"encoder_input_tokens": tokens},
+                                     self.decode_length).cache
 
   def _probe_axes(self) -> dict:
     """{leaf path: (slot axis or None, encoder-length axis or None)} of the cache, read
@@ -196,7 +206,7 @@ class Slots:
                      ended=vec(bool), active=vec(bool), temperature=vec(jnp.float32),
                      top_k=vec(jnp.int32), top_p=vec(jnp.float32),
                      key=jax.ShapeDtypeStruct((s,) + self._key_shape, jnp.uint32),
-                     min_tokens=vec(jnp.int32), ignore_eos=vec(bool))
+                     min_tokens=vec(jnp.int32), ignore_eos=vec(bool), adapter=vec(jnp.int32))
 
   def _state_shardings(self):
     """Slot axes split over the data axes when s divides them, else replicated."""
@@ -227,10 +237,10 @@ class Slots:
 
   # -- compiled functions ---------------------------------------------------------------------
   def _insert_fn(self, params, state: SlotState, tokens, at, limit, temperature, top_k, top_p,
-                 seed, sample, min_tokens, ignore_eos) -> SlotState:
+                 seed, sample, min_tokens, ignore_eos, adapter) -> SlotState:
     """Encodes tokens [e, i] and writes the rows into slots `at` [e] (an index >= s
     writes nothing: a padding row). The other arguments are [e]."""
-    new = self._new_cache(params, tokens)
+    new = self._new_cache(params, tokens, adapter)
     e, i = tokens.shape
     big_i = self.input_buckets[-1]
 
@@ -256,7 +266,8 @@ class Slots:
                      temperature=set_(state.temperature, temperature),
                      top_k=set_(state.top_k, top_k), top_p=set_(state.top_p, top_p),
                      key=set_(state.key, keys), min_tokens=set_(state.min_tokens, min_tokens),
-                     ignore_eos=set_(state.ignore_eos, ignore_eos))
+                     ignore_eos=set_(state.ignore_eos, ignore_eos),
+                     adapter=set_(state.adapter, adapter))
 
   def _index_of(self, cache):
     return next(x for path, x in jax.tree_util.tree_flatten_with_path(cache)[0]
@@ -279,9 +290,10 @@ class Slots:
     def one(st: SlotState, _):
       pos = self._index_of(st.cache)  # [s] tokens written so far
       running = st.active & ~st.ended & (pos < st.limit)
-      logits, cache = step(decoding.DecodingState(
-          cur_index=pos, sequences=st.token[:, None], cur_token=st.token[:, None],
-          cache=st.cache))
+      with lora.row_adapters(st.adapter):
+        logits, cache = step(decoding.DecodingState(
+            cur_index=pos, sequences=st.token[:, None], cur_token=st.token[:, None],
+            cache=st.cache))
       logits = logits.astype(jnp.float32)
       # min_tokens: a row's stop ids get no mass before it wrote that many tokens (as
       # transformers' MinNewTokensLengthLogitsProcessor).
@@ -357,7 +369,7 @@ class Slots:
             "temperature": np.zeros((size,), np.float32), "top_k": np.zeros((size,), np.int32),
             "top_p": np.ones((size,), np.float32), "seed": np.zeros((size,), np.uint32),
             "sample": np.zeros((size,), np.int32), "min_tokens": np.zeros((size,), np.int32),
-            "ignore_eos": np.zeros((size,), bool)}
+            "ignore_eos": np.zeros((size,), bool), "adapter": np.zeros((size,), np.int32)}
     for j, (r, slot) in enumerate(part):
       tokens[j, :] = 0
       tokens[j, :len(r.ids)] = r.ids
@@ -366,11 +378,12 @@ class Slots:
           r.temperature, r.top_k, r.top_p)
       cols["seed"][j], cols["sample"][j] = np.uint32(r.seed % 2 ** 32), r.sample
       cols["min_tokens"][j], cols["ignore_eos"][j] = r.min_tokens, r.ignore_eos
+      cols["adapter"][j] = r.adapter
     with self._context():
       self.state = self._insert(self.params, self.state, tokens, cols["at"], cols["limit"],
                                 cols["temperature"], cols["top_k"], cols["top_p"],
                                 cols["seed"], cols["sample"], cols["min_tokens"],
-                                cols["ignore_eos"])
+                                cols["ignore_eos"], cols["adapter"])
 
   def step(self, free: np.ndarray | None = None) -> StepOut:
     """Runs k steps (after releasing the slots marked in `free` [s]); blocks for the

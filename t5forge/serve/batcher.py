@@ -19,7 +19,9 @@ together, whatever their lengths and options (one `Generator.encode` call; each 
 attends to its own keys only, so its hidden states do not depend on its batch). A sampled row with an
 explicit `seed` batches only with the other rows of its own request, padded to the batch
 bucket of that request's size: its output then depends on the request and the seed only,
-never on which other requests happened to arrive with it.
+never on which other requests happened to arrive with it. Rows for different LoRA
+adapters (`t5forge serve --adapter`) share batches: each row carries its adapter index,
+passed per row to the model of stacked adapters (beams and samples take their row's).
 
 Shape letters: b batch rows (bucketed), i input length, l output length, n decodes per
 row (docs/shapes.md).
@@ -53,6 +55,7 @@ class Row:
       as keys (its real tokens, or all of `ids` when its padding is content).
     on_chunk: streaming rows: called with (tokens [n, l], lengths [n], finished [n]) as
       decoding goes on (copies, the caller may keep them).
+    adapter: the stacked LoRA adapter it runs with (0: the base model).
   """
   group: Any
   ids: list[int]
@@ -65,6 +68,7 @@ class Row:
   seed: int | None = None
   target_ids: list[int] | None = None
   attended: int | None = None
+  adapter: int = 0
   on_chunk: Callable | None = None
   done: Callable = lambda result: None
   enqueued: float = dataclasses.field(default_factory=time.monotonic)
@@ -239,6 +243,15 @@ class Batcher(QueueWorker):
     x[len(rows):, :len(pad)] = pad
     return x
 
+  def _adapters(self, rows: list[Row], size: int) -> dict:
+    """{"adapters": [size] int32} for a model of stacked adapters (padding rows: the
+    base), else {} (an export or a plain model takes no such argument)."""
+    if not getattr(self.generator, "adapter_count", 0):
+      return {}
+    ids = np.zeros((size,), np.int32)
+    ids[:len(rows)] = [r.adapter for r in rows]
+    return {"adapters": ids}
+
   def _generate(self, rows: list[Row]) -> list[RowResult]:
     b = len(rows)
     size = bucket(list(self.buckets.batch), b)
@@ -266,7 +279,8 @@ class Batcher(QueueWorker):
                                 max_new_tokens=max_new, temperature=temperature, topp=topp,
                                 alpha=rows[0].alpha, min_log_prob=min_log_prob, seed=seed,
                                 stream=bool(streaming),
-                                on_chunk=on_chunk if streaming else None)
+                                on_chunk=on_chunk if streaming else None,
+                                **self._adapters(rows, size))
     pick = lambda a, i: None if a is None else np.asarray(a[i])
     return [RowResult(tokens=np.asarray(g.tokens[i]), scores=np.asarray(g.scores[i]),
                       token_logprobs=pick(g.token_logprobs, i), top_ids=pick(g.top_ids, i),
@@ -281,7 +295,7 @@ class Batcher(QueueWorker):
     for i, r in enumerate(rows):
       targets[i, :len(r.target_ids)] = r.target_ids
     targets[len(rows):, 0] = self.generator.eos_id
-    scores = np.asarray(self.generator.score(inputs, targets))
+    scores = np.asarray(self.generator.score(inputs, targets, **self._adapters(rows, size)))
     return [RowResult(score=float(scores[i])) for i in range(len(rows))]
 
   def _embed(self, rows: list[Row]) -> list[RowResult]:
@@ -295,5 +309,5 @@ class Batcher(QueueWorker):
     # Padding rows: a lone EOS (one key, so that their softmax rows have support).
     inputs[len(rows):, 0] = self.generator.eos_id
     valid[len(rows):, 0] = True
-    hidden = self.generator.encode(inputs, valid)
+    hidden = self.generator.encode(inputs, valid, **self._adapters(rows, size))
     return [RowResult(hidden=np.asarray(hidden[i, :len(r.ids)])) for i, r in enumerate(rows)]
