@@ -3,6 +3,7 @@
     t5forge serve --checkpoint MODEL_DIR                      # http://127.0.0.1:8000
     t5forge serve --checkpoint google/flan-t5-small --max_batch_size 16 --max_wait_ms 10
     t5forge serve --checkpoint ckpt --host 0.0.0.0 --api_key "$KEY"   # behind a TLS proxy
+    t5forge serve --checkpoint base --adapter fr=lora-fr --adapter de=peft-de  # LoRA adapters
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /tokenize, POST /detokenize,
 POST /v1/score, POST /v1/embeddings, GET /v1/models, GET /health, GET /metrics,
@@ -73,6 +74,10 @@ def _parser() -> argparse.ArgumentParser:
                  help="SentencePiece .model when the checkpoint carries none")
   p.add_argument("--model_name", default=None,
                  help="the name clients send as `model` (default: the checkpoint's base name)")
+  p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
+                 help="serve a LoRA adapter of the checkpoint (our adapter directory or HF "
+                 "peft's) as model NAME; repeatable: requests for any of them and the base "
+                 "share batches (docs/serving.md)")
   p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
   p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
   p.add_argument("--chat_template", default=None,
@@ -240,6 +245,9 @@ def main(argv: list[str]) -> int:
     # Said before the model loads (the template itself is read once it has).
     raise UserError(f"--chat_template {args.chat_template}: no such file; give a Jinja chat "
                     "template file such as a model's chat_template.jinja")
+  from t5forge.serve import adapters as adapter_lib  # noqa: PLC0415 (after the flags parse: --help stays fast)
+  name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
+  specs = adapter_lib.parse(args.adapter, base_name=name)
   sock = _bind(args.host, args.port)
 
   from t5forge.export import loader as exported  # noqa: PLC0415 (after the flags parse: --help stays fast)
@@ -252,8 +260,7 @@ def main(argv: list[str]) -> int:
   from t5forge.serve.service import Service  # noqa: PLC0415 (after the flags parse: --help stays fast)
   from t5forge.serve.metrics import Metrics  # noqa: PLC0415 (after the flags parse: --help stays fast)
   t0 = time.monotonic()
-  gen, vocab, kind_cls, check_kind = _open(args, buckets, exported)
-  name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
+  gen, vocab, kind_cls, check_kind, adapter_names = _open(args, buckets, exported, specs)
   metrics = Metrics(model_name=name, compat=args.metrics_compat)
   engine = _engine(args, gen, buckets, exported_dir=check_kind is not None, metrics=metrics)
   # The engine compiles greedy and sampling itself; the batcher then runs beam search only.
@@ -279,7 +286,8 @@ def main(argv: list[str]) -> int:
                     engine=engine, shutdown_timeout=args.shutdown_timeout, keys=keys,
                     limiter=None if rates == (None, None) else auth.Limiter(*rates,
                                                                             metrics=metrics),
-                    body_timeout_s=body_timeout_s, chat_template=chat_template)
+                    body_timeout_s=body_timeout_s, chat_template=chat_template,
+                    adapters=adapter_names)
   return _run(app_lib.create_app(service), service, sock, args.host, t0,
               f"{len(jax.devices())} {jax.devices()[0].platform} device(s)")
 
@@ -339,11 +347,12 @@ def _allowed(check_kind, kind) -> bool:
     return False
 
 
-def _open(args, buckets, exported) -> tuple:
-  """-> (generator, vocabulary, Kind class, kind check or None) for a checkpoint or an
-  exported directory (`t5forge export --format jax`, run by its standalone loader)."""
+def _open(args, buckets, exported, specs) -> tuple:
+  """-> (generator, vocabulary, Kind class, kind check or None, {adapter name: index})
+  for a checkpoint (with the --adapter `specs` stacked on it) or an exported directory
+  (`t5forge export --format jax`, run by its standalone loader)."""
   if exported.is_exported_dir(args.checkpoint):
-    for flag in ("dtype", "weight_dtype"):
+    for flag in ("dtype", "weight_dtype", "adapter"):
       if getattr(args, flag):
         raise UserError(f"--{flag} does not apply to an exported directory (its weights and "
                         "dtype were fixed at export)")
@@ -360,17 +369,19 @@ def _open(args, buckets, exported) -> tuple:
                       f"{', '.join(sorted(os.listdir(args.checkpoint)))}); pass --vocabulary "
                       "path/to/spiece.model")
     # What the export cannot run is a 400 naming the option, not a failed batch.
-    return gen, vocab, exported.Kind, gen.check_kind
+    return gen, vocab, exported.Kind, gen.check_kind, {}
   from t5forge import generation, opener  # noqa: PLC0415 (after the flags parse: --help stays fast)
+  from t5forge.serve import adapters as adapter_lib  # noqa: PLC0415 (as above)
   opened = opener.open_checkpoint(args.checkpoint, vocabulary_path=args.vocabulary,
                                   overrides=decode_flags.runtime_overrides(args),
                                   partitioner=decode_flags.partitioner(args),
                                   require_vocabulary=True,
                                   vocabulary_hint="--vocabulary path/to/spiece.model")
   _check_model_limits(opened.config, buckets)
-  gen = generation.Generator(opened.model, opened.params, partitioner=opened.partitioner,
+  model, params, names = adapter_lib.attach(opened, specs)
+  gen = generation.Generator(model, params, partitioner=opened.partitioner,
                              chunk_tokens=args.chunk_tokens)
-  return gen, opened.vocabulary, generation.Kind, None
+  return gen, opened.vocabulary, generation.Kind, None, names
 
 
 def _run(app, service, sock, host: str, t0: float, devices: str) -> int:

@@ -56,3 +56,83 @@ def parse(values: list[str], *, base_name: str) -> list[Spec]:
                       "directory (adapter.json, or peft's adapter_config.json)")
     specs.append(Spec(name, path))
   return specs
+
+
+def _read(spec: Spec, base_fingerprint: str, base: str):
+  """One adapter directory -> (LoraConfig, unscanned adapter params), checked against
+  the base."""
+  from t5forge.nn import adapters, lora  # noqa: PLC0415 (the flags are checked before jax loads)
+  if not adapters.is_adapter_dir(spec.path):
+    if os.path.isfile(os.path.join(spec.path, "adapter_config.json")):
+      raise UserError(f"--adapter {spec.name}={spec.path}: an HF peft adapter; convert it "
+                      f"first: t5forge convert --adapter {spec.path} --to t5forge")
+    raise UserError(f"--adapter {spec.name}={spec.path}: not an adapter directory (no "
+                    f"{adapters.CONFIG_FILE}; found {', '.join(sorted(os.listdir(spec.path)))})")
+  tree, model_config, record = adapters.load(spec.path)
+  adapters.check_base(record, base_fingerprint, adapter=spec.path, base=base)
+  if not (model_config.get("lora") and lora.targets(tree)):
+    raise UserError(f"--adapter {spec.name}={spec.path}: holds no LoRA update (a "
+                    "prompt-tuning adapter?); --adapter serves LoRA adapters")
+  if "prompt" in tree:
+    raise UserError(f"--adapter {spec.name}={spec.path}: also holds a tuned prompt, which "
+                    "--adapter cannot serve beside other adapters; serve it alone")
+  return lora.LoraConfig.from_dict(model_config["lora"], source=spec.path), tree
+
+
+def _check_against(model, stacked: dict, spec_names: str) -> None:
+  """The stacked adapter leaves must be exactly the ones the stacked model creates."""
+  import jax  # noqa: PLC0415 (as above)
+
+  from t5forge.nn import adapters  # noqa: PLC0415 (as above)
+  want, _ = adapters.split(model.abstract_params())
+  flat = lambda t: {jax.tree_util.keystr(p): tuple(x.shape)
+                    for p, x in jax.tree_util.tree_flatten_with_path(t)[0]}
+  want, got = flat(want), flat(stacked)
+  for key in sorted(set(want) | set(got)):
+    if want.get(key) != got.get(key):
+      raise UserError(f"--adapter {spec_names}: the update at {key} has shape "
+                      f"{got.get(key)} but the checkpoint's model needs {want.get(key)}; the "
+                      "adapters do not fit this base")
+
+
+def attach(opened, specs: list[Spec]) -> tuple:
+  """The opened base with the adapters of `specs` stacked on it.
+
+  Args:
+    opened: `opener.Opened` (the served checkpoint, parameters placed).
+    specs: `parse`'s.
+
+  Returns:
+    (model, params, {name: adapter index}): with no specs the base's own model and params
+    and {}; else a model of stacked adapters (`lora.LoraConfig.stacked` = len(specs) + 1)
+    and the base's params joined with the stacked adapter leaves (replicated: they are
+    small), adapter k + 1 being specs[k].
+  """
+  if not specs:
+    return opened.model, opened.params, {}
+  import dataclasses  # noqa: PLC0415 (as above)
+
+  import jax  # noqa: PLC0415 (as above)
+
+  from t5forge import models  # noqa: PLC0415 (as above)
+  from t5forge.nn import adapters, lora, stack  # noqa: PLC0415 (as above)
+  base = opened.checkpoint.path
+  if opened.config.lora is not None:
+    raise UserError(f"{base} carries a LoRA update of its own; merge it into the base "
+                    "first (t5forge convert --merge) to serve --adapter beside it")
+  fingerprint = adapters.fingerprint(opened.params)
+  config, stacked = lora.stack([_read(s, fingerprint, base) for s in specs])
+  if opened.config.scan_layers:
+    try:
+      stacked = stack.stack_layers(stacked)
+    except (AssertionError, ValueError):
+      raise UserError(f"--adapter: {base} scans its layers, and the adapters do not update "
+                      "the same modules in every layer; serve it with scan_layers off") from None
+  base_model = opened.model
+  model = models.model_for(dataclasses.replace(opened.config, lora=config),
+                           vocabulary=base_model.vocabulary, decode_fn=base_model.decode_fn,
+                           decoder_params=base_model.decoder_params)
+  _check_against(model, stacked, ", ".join(f"{s.name}={s.path}" for s in specs))
+  placed = jax.device_put(stacked, opened.partitioner.replicated())
+  return (model, adapters.join(placed, opened.params),
+          {s.name: k for k, s in enumerate(specs, start=1)})

@@ -170,11 +170,12 @@ async def complete(s: Service, request: fastapi.Request):
   """Answers one POST /v1/chat/completions: the response dict, or a StreamingResponse."""
   start = time.monotonic()
   req = api.parse(ChatRequest, await s.read_body(request), request.headers.get("content-type"))
-  s.check_model(req.model)
+  adapter = s.check_model(req.model)
   creq = _as_completion(req, s)
   ids = encode_messages(s, req.messages)
-  shape = completions.Shape(s.model_name, chat=True,
+  shape = completions.Shape(s.served_name(req.model), chat=True,
                             include_usage=bool(req.stream_options and
-                                               req.stream_options.include_usage))
+                                               req.stream_options.include_usage),
+                            adapter=adapter)
   return await completions.run(s, request, creq, [ids], shape, start=start)
 

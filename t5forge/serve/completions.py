@@ -150,8 +150,9 @@ class _Choices:
       resolver(self.loop, self.futs[i])(result)
 
 
-def _engine_rows(s: Service, req, plan: Plan, ids, ch: _Choices) -> list:
-  """One engine row per prompt (greedy: its n choices share it) or per sample."""
+def _engine_rows(s: Service, req, plan: Plan, ids, ch: _Choices, adapter: int) -> list:
+  """One engine row per prompt (greedy: its n choices share it) or per sample, each
+  with the request's `adapter` (0: the base model)."""
   n = len(plan.sources)
   seed = req.seed if req.seed is not None else secrets.randbelow(2 ** 31)
   rows = []
@@ -175,12 +176,12 @@ def _engine_rows(s: Service, req, plan: Plan, ids, ch: _Choices) -> list:
           ids=x, max_new_tokens=req.max_tokens,
           temperature=0.0 if plan.kind.method == "greedy" else req.temperature,
           top_k=req.top_k, top_p=req.top_p, seed=seed, sample=j, priority=req.priority,
-          min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, on_tokens=on_tokens,
-          done=done))
+          min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, adapter=adapter,
+          on_tokens=on_tokens, done=done))
   return rows
 
 
-def _batcher_rows(s: Service, req, plan: Plan, ids, ch: _Choices) -> list:
+def _batcher_rows(s: Service, req, plan: Plan, ids, ch: _Choices, adapter: int) -> list:
   """One batcher row per prompt (beam search, or the static scheduler); its chunks are
   turned into each choice's new tokens."""
   n = len(plan.sources)
@@ -214,7 +215,7 @@ def _batcher_rows(s: Service, req, plan: Plan, ids, ch: _Choices) -> list:
     rows.append(batching.Row(group=plan.group, kind=plan.kind, ids=x,
                              max_new_tokens=req.max_tokens, temperature=req.temperature,
                              topp=req.top_p, alpha=req.alpha, min_log_prob=req.min_log_prob,
-                             seed=req.seed,
+                             seed=req.seed, adapter=adapter,
                              on_chunk=on_chunk if ch.events is not None else None, done=done))
   return rows
 
@@ -249,11 +250,12 @@ async def complete(s: Service, request: fastapi.Request):
   req = api.parse(api.CompletionRequest, await s.read_body(request),
                   request.headers.get("content-type"))
   api.check_completion(req, s.limits)
-  s.check_model(req.model)
+  adapter = s.check_model(req.model)
   compat.check(req, on_engine=s.engine is not None and req.num_beams == 1)
   ids = encode_capped(s, req)
   usage = bool(req.stream_options and req.stream_options.include_usage)
-  return await run(s, request, req, ids, Shape(s.model_name, chat=False, include_usage=usage),
+  return await run(s, request, req, ids, Shape(s.served_name(req.model), chat=False,
+                                               include_usage=usage, adapter=adapter),
                    start=start)
 
 
@@ -262,8 +264,9 @@ class Shape:
   or its `chat.completion` (a `message`, and streamed `delta`s whose first names the
   role)."""
 
-  def __init__(self, model: str, chat: bool, include_usage: bool = False):
+  def __init__(self, model: str, chat: bool, include_usage: bool = False, adapter: int = 0):
     self.model, self.chat, self.include_usage = model, chat, include_usage
+    self.adapter = adapter  # the LoRA adapter `model` names (0: the base)
     self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     self.created = int(time.time())
     self.route = "/v1/chat/completions" if chat else "/v1/completions"
@@ -320,10 +323,10 @@ async def run(s: Service, request: fastapi.Request, req, ids: list[list[int]], s
   ch = _Choices(s, asyncio.get_running_loop(), len(ids) * n, stops, req.stream,
                 req.logprobs, req.ignore_eos)
   if s.engine is not None and plan.kind.method != "beam":
-    rows = _engine_rows(s, req, plan, ids, ch)
+    rows = _engine_rows(s, req, plan, ids, ch, shape.adapter)
     s.submit_engine(rows)
   else:
-    rows = _batcher_rows(s, req, plan, ids, ch)
+    rows = _batcher_rows(s, req, plan, ids, ch, shape.adapter)
     s.submit(rows)
   prompt_tokens = sum(map(len, ids))
   s.metrics.prompt_tokens.inc(prompt_tokens)

@@ -195,7 +195,7 @@ async def create(s: Service, request: fastapi.Request) -> dict:
   """The route's body: parse, check, one EMBED row per input, await, pool, answer."""
   req = api.parse(EmbeddingRequest, await s.read_body(request),
                   request.headers.get("content-type"))
-  s.check_model(req.model)
+  adapter = s.check_model(req.model)  # an adapter's encoder embeds
   inputs = check(req, s)
   loop = asyncio.get_running_loop()
   rows, futs = [], []
@@ -203,7 +203,7 @@ async def create(s: Service, request: fastapi.Request) -> dict:
     fut = loop.create_future()
     rows.append(batching.Row(group=batching.EMBED, ids=ids,
                              attended=inputs.length if req.attend_to_padding else n,
-                             done=resolver(loop, fut)))
+                             adapter=adapter, done=resolver(loop, fut)))
     futs.append(fut)
   s.submit(rows)
   tokens = sum(inputs.counts)
@@ -214,5 +214,5 @@ async def create(s: Service, request: fastapi.Request) -> dict:
            "embedding": serialize(pool(r.hidden, n, req.pooling, req.normalize),
                                   req.encoding_format, req.embed_dtype)}
           for i, (r, n) in enumerate(zip(results, inputs.counts))]
-  return {"object": "list", "data": data, "model": s.model_name,
+  return {"object": "list", "data": data, "model": s.served_name(req.model),
           "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}

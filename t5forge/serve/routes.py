@@ -7,7 +7,8 @@ from `request.app.state.service` (set by `app.create_app`).
     POST /detokenize       {tokens} -> the text
     POST /v1/score         {prompt, targets} -> summed log-likelihoods (T5X's score mode)
     POST /v1/embeddings    OpenAI's embeddings from the encoder (+ pooling, padding)
-    GET  /v1/models        the one served model (+ max_input_tokens, max_output_tokens)
+    GET  /v1/models        the served model and its --adapter LoRA adapters (+ max_input_tokens,
+                           max_output_tokens; an adapter's `parent` is the base)
     GET  /health           503 until the buckets are compiled (and while draining), then 200
     GET  /readyz           the same as /health (Kubernetes' readiness probe)
     GET  /livez            200 as soon as the app runs, compiling or draining (liveness)
@@ -87,11 +88,12 @@ async def models(request: fastapi.Request):
   s = service_of(request)
   # max_model_len as vLLM reports it: here the longest prompt (the encoder's input; an
   # encoder-decoder's answer has its own budget, max_output_tokens).
-  return {"object": "list", "data": [{"id": s.model_name, "object": "model",
-                                      "created": s.created, "owned_by": "t5forge",
-                                      "max_input_tokens": s.max_input_tokens,
-                                      "max_output_tokens": s.limits.max_tokens,
-                                      "max_model_len": s.max_input_tokens}]}
+  card = {"object": "model", "created": s.created, "owned_by": "t5forge",
+          "max_input_tokens": s.max_input_tokens, "max_output_tokens": s.limits.max_tokens,
+          "max_model_len": s.max_input_tokens}
+  # --adapter: one entry per LoRA adapter, its `parent` the base (as vLLM lists them).
+  return {"object": "list", "data": [{"id": s.model_name, **card}] + [
+      {"id": name, **card, "parent": s.model_name} for name in s.adapters]}
 
 
 @router.get("/")
@@ -108,7 +110,7 @@ async def score(request: fastapi.Request):
   s = service_of(request)
   req = api.parse(api.ScoreRequest, await s.read_body(request),
                   request.headers.get("content-type"))
-  s.check_model(req.model)
+  adapter = s.check_model(req.model)
   if not s.can_score:
     raise api.ApiError(400, "scoring is not available from an exported model; serve the "
                        "checkpoint for /v1/score", param="targets", code="unsupported")
@@ -125,14 +127,14 @@ async def score(request: fastapi.Request):
                          code="target_too_long")
     fut = loop.create_future()
     rows.append(batching.Row(group=batching.SCORE, ids=ids, target_ids=tids,
-                             done=resolver(loop, fut)))
+                             adapter=adapter, done=resolver(loop, fut)))
     futs.append(fut)
     n_tokens += len(ids) + len(tids)
   s.submit(rows)
   s.metrics.prompt_tokens.inc(n_tokens)
   s.charge(request, n_tokens)
   results = await asyncio.gather(*futs)
-  return {"object": "list", "model": s.model_name,
+  return {"object": "list", "model": s.served_name(req.model),
           "data": [{"object": "score", "index": i, "log_likelihood": r.score}
                    for i, r in enumerate(results)],
           "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}

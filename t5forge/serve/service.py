@@ -54,6 +54,8 @@ class Service:
   keys: Any = None            # auth.Keys (--api_key, --api_key_file), or None: open
   limiter: Any = None         # auth.Limiter (--requests_per_second, --tokens_per_minute)
   body_timeout_s: float = 30.0  # a body not read whole by then is a 408 (--body_timeout_s)
+  # --adapter: {name: index in the stacked LoRA weights, >= 1}; 0 is the base model.
+  adapters: dict = dataclasses.field(default_factory=dict)
 
   def charge(self, request: fastapi.Request, tokens: int) -> None:
     """Takes `tokens` (prompt, then output) from the caller's --tokens_per_minute bucket;
@@ -88,12 +90,20 @@ class Service:
       chunks.append(chunk)
     return b"".join(chunks)
 
-  def check_model(self, name: str | None) -> None:
-    """A 404 when the request names another model (no name: this one)."""
-    if name is not None and name != self.model_name:
-      raise api.ApiError(404, f"model {name!r} is not served here; this server serves "
-                         f"{self.model_name!r} (GET /v1/models)", param="model",
-                         code="model_not_found")
+  def check_model(self, name: str | None) -> int:
+    """The adapter the request's `model` names: 0 for the base model (or no name), its
+    index for an --adapter; a 404 for any other name."""
+    if name is None or name == self.model_name:
+      return 0
+    if name in self.adapters:
+      return self.adapters[name]
+    served = ", ".join(repr(n) for n in [self.model_name, *self.adapters])
+    raise api.ApiError(404, f"model {name!r} is not served here; this server serves "
+                       f"{served} (GET /v1/models)", param="model", code="model_not_found")
+
+  def served_name(self, name: str | None) -> str:
+    """The `model` a response names: the one asked for (an adapter), else the base."""
+    return self.model_name if name is None else name
 
   def encode(self, text: str, param: str) -> list[int]:
     """`text` as the model takes it: pieces + EOS (encoder-decoder) or BOS 0 + pieces
