@@ -1,17 +1,17 @@
 """`t5forge serve --adapter name=path`: several LoRA adapters served on one base model.
 
-    specs = adapters.parse(["fr=ckpt/fr", "de=hf/peft-de"], base_name="flan")  # at once
+    specs = adapters.parse(["fr=runs/lora-fr", "de=runs/lora-de"], base_name="flan")  # at once
     model, params, names = adapters.attach(opened, specs)   # after the base is open
     # names == {"fr": 1, "de": 2}: a request's `model` picks its row's adapter
 
-Each adapter is read as it was written: our format (`adapter.json` +
-`adapter.safetensors`, `t5forge.nn.adapters`) or HF peft's (`adapter_config.json` +
-`adapter_model.safetensors`, `t5forge.convert.peft`). Its record of the base must match
-the served checkpoint (`adapters.fingerprint`). Then all of them become one model of
-stacked adapters (`lora.stack`: adapter 0 is the all-zero base, adapter k the k-th
-`--adapter`): the engine's slots and the batcher's rows carry each row's index, so rows
-for different adapters share a batch, and the stacked weights are ordinary inputs of
-fixed shapes: serving any mix of adapters compiles nothing after start-up.
+Each adapter is a directory of our format (`adapter.json` + `adapter.safetensors`,
+`t5forge.nn.adapters`); an HF peft directory (`adapter_config.json`) is refused with the
+command that converts it. Its record of the base must match the served checkpoint
+(`adapters.fingerprint`). Then all of them become one model of stacked adapters
+(`lora.stack`: adapter 0 is the all-zero base, adapter k the k-th `--adapter`): the
+engine's slots and the batcher's rows carry each row's index, so rows for different
+adapters share a batch, and the stacked weights are ordinary inputs of fixed shapes:
+serving any mix of adapters compiles nothing after start-up.
 """
 from __future__ import annotations
 
