@@ -1,5 +1,6 @@
 """`t5forge serve --adapter name=path`: one server holds a base model and two LoRA adapters
-(different ranks, targets and scales; random non-zero `lora_b`, no training). Requests
+(different ranks, targets and scales; random non-zero `lora_b`, no training), one of
+them also as HF peft saves it (`convert.peft.write_peft`). Requests
 that alternate the three models, concurrently so that they share engine steps, get the
 greedy texts of each model decoded alone in process from its MERGED weights (the outside
 reference: no LoRA code in that forward pass), and the server compiles nothing after
@@ -54,6 +55,7 @@ def _adapter(base_model, cfg_kw: dict, std: float, seed: int):
 def setup(tmp_path_factory):
   """(checkpoint, {adapter name: directory}, {model name: merged params}, base Model)."""
   import t5forge
+  from t5forge.convert import peft
   from t5forge.nn import adapters, lora
   d = tmp_path_factory.mktemp("serve_adapters")
   ckpt = sh.tiny_checkpoint(str(d / "tiny"))
@@ -67,6 +69,10 @@ def setup(tmp_path_factory):
                   record={"base": ckpt, "fingerprint": fingerprint, "base_dtype": "float32"})
     dirs[name] = path
     merged[name] = lora.merge(adapters.join(adapter, base.params), config.lora)
+    if name == "qv4":  # the same adapter as HF peft saves it
+      dirs["qv4peft"] = str(d / "qv4peft")
+      peft.write_peft(dirs["qv4peft"], config.lora, adapter, base.config, ckpt)
+      merged["qv4peft"] = merged[name]
   return ckpt, dirs, merged, base
 
 
@@ -112,7 +118,8 @@ def test_alternating_adapters_share_batches_and_match_merged(server, reference):
   names = list(reference)
   # The adapters change what the model says (else the test could not tell them apart).
   assert reference["qv4"] != reference["tiny"] and reference["all8"] != reference["tiny"]
-  jobs = [(names[i % 3], PROMPTS[(i // 3) % len(PROMPTS)]) for i in range(48)]
+  jobs = [(names[i % len(names)], PROMPTS[(i // len(names)) % len(PROMPTS)])
+          for i in range(48)]
   results, errors = [None] * len(jobs), []
 
   def client_thread(k):
@@ -170,9 +177,9 @@ def test_embeddings_use_the_adapters_encoder(client, setup):
 
 def test_models_lists_adapters_with_parent(client):
   cards = {m.id: m for m in client.models.list().data}
-  assert set(cards) == {"tiny", "qv4", "all8"}
+  assert set(cards) == {"tiny", "qv4", "all8", "qv4peft"}
   assert getattr(cards["tiny"], "parent", None) is None
-  assert cards["qv4"].parent == "tiny" and cards["all8"].parent == "tiny"
+  assert {cards[n].parent for n in ("qv4", "all8", "qv4peft")} == {"tiny"}
 
 
 def test_unknown_adapter_is_404(client):

@@ -3,7 +3,7 @@
     t5forge serve --checkpoint MODEL_DIR                      # http://127.0.0.1:8000
     t5forge serve --checkpoint google/flan-t5-small --max_batch_size 16 --max_wait_ms 10
     t5forge serve --checkpoint ckpt --host 0.0.0.0 --api_key "$KEY"   # behind a TLS proxy
-    t5forge serve --checkpoint base --adapter fr=lora-fr --adapter de=lora-de  # LoRA adapters
+    t5forge serve --checkpoint base --adapter fr=lora-fr --adapter de=peft-de  # LoRA adapters
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /tokenize, POST /detokenize,
 POST /v1/score, POST /v1/embeddings, GET /v1/models, GET /health, GET /metrics,
@@ -75,9 +75,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--model_name", default=None,
                  help="the name clients send as `model` (default: the checkpoint's base name)")
   p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
-                 help="serve a LoRA adapter of the checkpoint (a t5forge adapter directory) as "
-                 "model NAME; repeatable: requests for any of them and the base share "
-                 "batches (docs/serving.md)")
+                 help="serve a LoRA adapter of the checkpoint (t5forge's adapter directory or "
+                 "training run, or HF peft's) as model NAME; repeatable: requests for any of "
+                 "them and the base share batches (docs/serving.md)")
   p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
   p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
   p.add_argument("--chat_template", default=None,

@@ -1,13 +1,14 @@
 """`t5forge serve --adapter name=path`: several LoRA adapters served on one base model.
 
-    specs = adapters.parse(["fr=runs/lora-fr", "de=runs/lora-de"], base_name="flan")  # at once
+    specs = adapters.parse(["fr=runs/lora-fr", "de=hub/peft-de"], base_name="flan")  # at once
     model, params, names = adapters.attach(opened, specs)   # after the base is open
     # names == {"fr": 1, "de": 2}: a request's `model` picks its row's adapter
 
-Each adapter is a directory of our format (`adapter.json` + `adapter.safetensors`,
-`t5forge.nn.adapters`); an HF peft directory (`adapter_config.json`) is refused with the
-command that converts it. Its record of the base must match the served checkpoint
-(`adapters.fingerprint`). Then all of them become one model of stacked adapters
+Each adapter is read as it was written (`t5forge.convert.peft.read_adapter`): our format
+(`adapter.json` + `adapter.safetensors`), an adapter training run's MODEL_DIR or
+checkpoint, or HF peft's (`adapter_config.json` + `adapter_model.safetensors`). Ours
+record their base, whose fingerprint must be the served checkpoint's
+(`adapters.fingerprint`); every adapter's kernels must fit the base's. Then all of them become one model of stacked adapters
 (`lora.stack`: adapter 0 is the all-zero base, adapter k the k-th `--adapter`): the
 engine's slots and the batcher's rows carry each row's index, so rows for different
 adapters share a batch, and the stacked weights are ordinary inputs of fixed shapes:
@@ -58,25 +59,21 @@ def parse(values: list[str], *, base_name: str) -> list[Spec]:
   return specs
 
 
-def _read(spec: Spec, base_fingerprint: str, base: str):
-  """One adapter directory -> (LoraConfig, unscanned adapter params), checked against
-  the base."""
-  from t5forge.nn import adapters, lora  # noqa: PLC0415 (the flags are checked before jax loads)
-  if not adapters.is_adapter_dir(spec.path):
-    if os.path.isfile(os.path.join(spec.path, "adapter_config.json")):
-      raise UserError(f"--adapter {spec.name}={spec.path}: an HF peft adapter; convert it "
-                      f"first: t5forge convert --adapter {spec.path} --to t5forge")
-    raise UserError(f"--adapter {spec.name}={spec.path}: not an adapter directory (no "
-                    f"{adapters.CONFIG_FILE}; found {', '.join(sorted(os.listdir(spec.path)))})")
-  tree, model_config, record = adapters.load(spec.path)
-  adapters.check_base(record, base_fingerprint, adapter=spec.path, base=base)
-  if not (model_config.get("lora") and lora.targets(tree)):
-    raise UserError(f"--adapter {spec.name}={spec.path}: holds no LoRA update (a "
-                    "prompt-tuning adapter?); --adapter serves LoRA adapters")
-  if "prompt" in tree:
+def _read(spec: Spec, base_config, base_fingerprint: str, base: str):
+  """One adapter directory -> (LoraConfig, unscanned adapter params), checked against the
+  base (`convert.peft.read_adapter`: ours, an adapter training run's checkpoint, or
+  peft's; the fingerprint where the adapter records one, the kernels' shapes always)."""
+  from t5forge.convert import peft  # noqa: PLC0415 (the flags are checked before jax loads)
+  try:
+    config, params = peft.read_adapter(spec.path, base_config.replace(scan_layers=False,
+                                                                      lora=None),
+                                       fingerprint=base_fingerprint, base_name=base)
+  except UserError as e:
+    raise UserError(f"--adapter {spec.name}={spec.path}: {e}") from None
+  if "prompt" in params:
     raise UserError(f"--adapter {spec.name}={spec.path}: also holds a tuned prompt, which "
                     "--adapter cannot serve beside other adapters; serve it alone")
-  return lora.LoraConfig.from_dict(model_config["lora"], source=spec.path), tree
+  return config, params
 
 
 def _check_against(model, stacked: dict, spec_names: str) -> None:
@@ -121,7 +118,7 @@ def attach(opened, specs: list[Spec]) -> tuple:
     raise UserError(f"{base} carries a LoRA update of its own; merge it into the base "
                     "first (t5forge convert --merge) to serve --adapter beside it")
   fingerprint = adapters.fingerprint(opened.params)
-  config, stacked = lora.stack([_read(s, fingerprint, base) for s in specs])
+  config, stacked = lora.stack([_read(s, opened.config, fingerprint, base) for s in specs])
   if opened.config.scan_layers:
     try:
       stacked = stack.stack_layers(stacked)
