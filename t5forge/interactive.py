@@ -409,7 +409,7 @@ class Model:
 
 
 def load(path: str, *, vocabulary=None, partitioner: Partitioner | None = None,
-         adapter: str | None = None, **overrides) -> Model:
+         adapter: str | None = None, base_dtype: str | None = None, **overrides) -> Model:
   """Loads a model from a t5forge checkpoint or MODEL_DIR, an HF directory (or Hub name),
   or a T5X checkpoint.
 
@@ -425,10 +425,14 @@ def load(path: str, *, vocabulary=None, partitioner: Partitioner | None = None,
     adapter: a LoRA adapter directory to apply to the checkpoint: ours (`save_adapter`,
       a training run's adapter checkpoint) or Hugging Face peft's; ours is checked against
       the fingerprint of the base it was trained on.
+    base_dtype: keep the weights as a frozen base for adapters: 'bfloat16' or 'int8'
+      projection kernels, the rest float32 (`nn.base_storage`); an HF checkpoint is cast
+      tensor by tensor as it is read, so a model whose float32 copy does not fit in RAM
+      loads. None: as stored.
     **overrides: runtime config fields, e.g. dtype='bfloat16', scan_layers=True.
   """
   opened = opener.open_checkpoint(path, vocabulary=vocabulary, overrides=overrides,
-                                  partitioner=partitioner)
+                                  partitioner=partitioner, base_dtype=base_dtype)
   if adapter is not None:
     opened = opener.with_adapter(opened, adapter)
   ckpt = opened.checkpoint

@@ -103,6 +103,21 @@ def place_params(partitioner: Partitioner, model, params: dict) -> tuple[dict, d
   return partitioner.place(host, shardings), shardings
 
 
+def _place_owned(partitioner: Partitioner, model, ckpt: LoadedCheckpoint) -> tuple[dict, dict]:
+  """`ckpt.params` (host arrays nothing else holds) placed on the mesh one leaf at a time,
+  each host leaf dropped once its arrays are made: the peak is the model plus one
+  parameter, not a host and a device copy of it (a frozen base that fills the RAM).
+  `ckpt.params` is None after."""
+  shardings = param_shardings(partitioner, model, ckpt.params)
+  leaves, treedef = jax.tree_util.tree_flatten(ckpt.params)
+  ckpt.params = None
+  placed = []
+  for i, sharding in enumerate(treedef.flatten_up_to(shardings)):
+    placed.append(partitioner.place(np.asarray(leaves[i]), sharding))
+    leaves[i] = None
+  return jax.tree_util.tree_unflatten(treedef, placed), shardings
+
+
 def _found(path: str) -> str:
   if not os.path.isdir(path):
     return "a file"
@@ -113,7 +128,7 @@ def _found(path: str) -> str:
 def open_checkpoint(path: str, *, vocabulary=None, model=None, overrides: dict | None = None,
                     partitioner: Partitioner | None = None, require_vocabulary: bool = False,
                     vocabulary_hint: str = "--vocabulary path/to/spiece.model",
-                    vocabulary_path: str | None = None) -> Opened:
+                    vocabulary_path: str | None = None, base_dtype: str | None = None) -> Opened:
   """Opens any checkpoint the project reads for inference.
 
   Args:
@@ -131,6 +146,9 @@ def open_checkpoint(path: str, *, vocabulary=None, model=None, overrides: dict |
       UserError that names what was found and `vocabulary_hint`.
     vocabulary_path: a SentencePiece .model to use instead of `vocabulary` (--vocabulary),
       read as the checkpoint's family needs it (`vocab_io.from_model_file`).
+    base_dtype: keep the parameters as a frozen base of 'float32', 'bfloat16' or 'int8'
+      projection kernels (`nn.base_storage`); an HF checkpoint is cast tensor by tensor as
+      it is read (`convert.load_checkpoint`). None: as stored.
 
   A vocabulary with more ids than the model's embedding rows is a UserError.
   """
@@ -138,7 +156,7 @@ def open_checkpoint(path: str, *, vocabulary=None, model=None, overrides: dict |
   if model is not None:
     load_overrides.update(scan_layers=model.config.scan_layers,
                           weight_dtype=model.config.weight_dtype)
-  ckpt, stored_config = _read(path, load_overrides)
+  ckpt, stored_config = _read(path, load_overrides, base_dtype)
   if vocabulary_path:
     vocabulary = vocab_io.from_model_file(vocabulary_path, ckpt.config)
   if vocabulary is None:
@@ -159,8 +177,7 @@ def open_checkpoint(path: str, *, vocabulary=None, model=None, overrides: dict |
     params, shardings = _restore_on_mesh(partitioner, model, ckpt, stored_config)
   else:
     models.check_params_fit(model, ckpt.params, source=ckpt.source_for(model.config))
-    params, shardings = place_params(partitioner, model, ckpt.params)
-    ckpt.params = None  # the host copy: freed once the arrays are placed
+    params, shardings = _place_owned(partitioner, model, ckpt)
   return Opened(model=model, vocabulary=vocabulary, params=params, partitioner=partitioner,
                 param_shardings=shardings, checkpoint=ckpt)
 
@@ -198,7 +215,8 @@ def with_adapter(opened: Opened, adapter: str) -> Opened:
                              param_shardings=shardings)
 
 
-def _read(path: str, overrides: dict) -> tuple[LoadedCheckpoint, ModelConfig | None]:
+def _read(path: str, overrides: dict,
+          base_dtype: str | None = None) -> tuple[LoadedCheckpoint, ModelConfig | None]:
   """What `path` names, read as far as deciding where its parameters go needs.
 
   Returns:
@@ -212,8 +230,8 @@ def _read(path: str, overrides: dict) -> tuple[LoadedCheckpoint, ModelConfig | N
     raise UserError(f"cannot override {bad} when loading a checkpoint; only "
                     f"{list(convert.RUNTIME_FIELDS)} may change")
   local = convert.local_path(path)
-  if convert.detect_format(local) != convert.T5FORGE:
-    return load_checkpoint(local, **overrides), None
+  if convert.detect_format(local) != convert.T5FORGE or base_dtype is not None:
+    return load_checkpoint(local, base_dtype=base_dtype, **overrides), None
   stored, meta = native.read_header(local)
   config = stored.replace(**overrides) if overrides else stored
   if config.weight_dtype == "int8" and stored.weight_dtype != "int8":

@@ -22,7 +22,7 @@ from t5forge.convert import hf, native, paths, t5x
 from t5forge.data import vocab_io
 from t5forge.data.vocab import Vocabulary
 from t5forge.errors import UserError
-from t5forge.nn import quant
+from t5forge.nn import base_storage, quant
 from t5forge.nn.config import ModelConfig
 from t5forge.nn.stack import stack_layers, unstack_layers
 
@@ -35,7 +35,8 @@ class LoadedCheckpoint:
 
   Attributes:
     config: the model config.
-    params: float32 parameter tree (numpy or jax arrays).
+    params: float32 parameter tree (numpy or jax arrays); with a `base_dtype`, kernels
+      as that base keeps them (`nn.base_storage`).
     format: 'hf', 't5x' or 't5forge'.
     path: the directory or file actually read (e.g. the latest checkpoint_<step>).
     step: training step, when the format records one (else 0).
@@ -132,11 +133,17 @@ def relayout(params: dict, *, scanned: bool, to_scanned: bool) -> dict:
   return stack_layers(params) if to_scanned else unstack_layers(params)
 
 
-def load_checkpoint(path: str, **overrides) -> LoadedCheckpoint:
+def load_checkpoint(path: str, *, base_dtype: str | None = None,
+                    **overrides) -> LoadedCheckpoint:
   """Reads parameters and config from any supported checkpoint (see module doc).
 
   Args:
     path: local path, or a Hugging Face Hub name.
+    base_dtype: keep the parameters as a frozen base of this storage dtype
+      (`nn.base_storage`: 'bfloat16' or 'int8' projection kernels, the rest float32).
+      An HF checkpoint is cast tensor by tensor as it is read and laid out (scanned or
+      not) as it is made, so no float32 copy of the model is held; other formats are
+      read as float32 and then cast. None: float32, as read.
     **overrides: ModelConfig fields to change on load, from RUNTIME_FIELDS (e.g.
       dtype='bfloat16', scan_layers=True, dropout_rate=0.0).
   """
@@ -144,6 +151,7 @@ def load_checkpoint(path: str, **overrides) -> LoadedCheckpoint:
   if bad:
     raise UserError(f"cannot override {bad} when loading a checkpoint; only "
                     f"{list(RUNTIME_FIELDS)} may change")
+  store = None if base_dtype is None else base_storage.storer(base_dtype)
   path = local_path(path)
   fmt = detect_format(path)
   step, extras = 0, {}
@@ -154,7 +162,8 @@ def load_checkpoint(path: str, **overrides) -> LoadedCheckpoint:
     config, params, extras = native.load(ckpt_dir)
     step, path = native.step_of(ckpt_dir) or 0, ckpt_dir
   elif fmt == HF:
-    config, params = hf.load_hf(path)
+    config, params = hf.load_hf(path, store=store,
+                                scan_layers=overrides.get("scan_layers", False))
   else:
     config, params, extras = t5x.load_t5x(path)
     step = extras["step"]
@@ -162,6 +171,8 @@ def load_checkpoint(path: str, **overrides) -> LoadedCheckpoint:
   params = relayout(params, scanned=config.scan_layers, to_scanned=new_config.scan_layers)
   if new_config.weight_dtype == "int8" and config.weight_dtype != "int8":
     params = quant.quantize_params(params)
+  if base_dtype is not None and fmt != HF:
+    params = base_storage.store_params(params, base_dtype)
   return LoadedCheckpoint(new_config, params, fmt, path, step=step, extras=extras)
 
 

@@ -25,19 +25,20 @@ from t5forge import files
 from t5forge.convert.hf import t5, t5gemma, t5gemma2, tokenizer
 from t5forge.convert.hf.config_files import (CONFIG_FILE, GENERATION_CONFIG_FILE, read_hf_config,
                                              read_json)
-from t5forge.convert.hf.family import Family
+from t5forge.convert.hf.family import Family, Store
 from t5forge.convert.hf.weights import (MAX_SHARD_BYTES, SAFETENSORS, SAFETENSORS_INDEX,
-                                        TORCH_BIN, TORCH_INDEX, is_hf_dir, load_hf_state,
-                                        write_safetensors)
+                                        TORCH_BIN, TORCH_INDEX, WeightState, is_hf_dir,
+                                        load_hf_state, write_safetensors)
 from t5forge.data.vocab import Vocabulary
 from t5forge.data.vocab_io import difference
 from t5forge.errors import UserError
 from t5forge.nn.config import ModelConfig
+from t5forge.nn.stack import stack_owned
 
 FAMILIES: tuple[Family, ...] = (t5.FAMILY, t5gemma.FAMILY, t5gemma2.FAMILY)
 
 __all__ = ["CONFIG_FILE", "FAMILIES", "Family", "MAX_SHARD_BYTES", "SAFETENSORS",
-           "SAFETENSORS_INDEX", "TORCH_BIN", "TORCH_INDEX", "family_for", "family_of",
+           "SAFETENSORS_INDEX", "Store", "TORCH_BIN", "TORCH_INDEX", "WeightState", "family_for", "family_of",
            "from_hf_dir", "hf_config_from", "is_hf_dir", "load_hf", "load_hf_state",
            "params_to_state", "read_hf_config", "save_hf"]
 
@@ -67,13 +68,28 @@ def family_for(config: ModelConfig) -> Family:
                   "no transformers counterpart (transformers has no decoder-only T5)")
 
 
-def load_hf(model_dir: str) -> tuple[ModelConfig, dict]:
-  """Reads an HF directory of any family -> (ModelConfig, float32 parameter tree)."""
+def load_hf(model_dir: str, *, store: Store | None = None,
+            scan_layers: bool = False) -> tuple[ModelConfig, dict]:
+  """Reads an HF directory of any family -> (ModelConfig, parameter tree).
+
+  The weights are read one tensor at a time (`weights.WeightState`), each converted to
+  our layout and kept as `store` says (e.g. cast to bfloat16 or quantised to int8) before
+  the next is read, so the peak is the tree kept plus about one tensor: a float32 copy
+  of the whole model is never held unless float32 is what is kept.
+
+  Args:
+    store: how each leaf is kept (`family.Store`); None: float32.
+    scan_layers: return the scanned layout (its config says so), stacked as it is made
+      (`nn.stack.stack_owned`), not as a second copy.
+  """
   if not os.path.isdir(model_dir):
     raise UserError(f"{model_dir}: no such directory")
   hf_cfg = read_hf_config(model_dir)
   family = family_of(hf_cfg, os.path.join(model_dir, CONFIG_FILE))
-  return family.load(model_dir, hf_cfg)
+  config, params = family.load(model_dir, hf_cfg, store)
+  if scan_layers and not config.scan_layers:
+    config, params = config.replace(scan_layers=True), stack_owned(params)
+  return config, params
 
 
 def hf_config_from(config: ModelConfig) -> dict:

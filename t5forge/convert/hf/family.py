@@ -8,7 +8,8 @@ an unscanned model; `transpose` because HF Linear weights are [out, in] and our 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Mapping
+from typing import Any, Callable
 
 import numpy as np
 
@@ -16,9 +17,12 @@ from t5forge.data.vocab import Vocabulary
 from t5forge.errors import UserError
 from t5forge.nn import abstract_params
 from t5forge.nn.config import ModelConfig
-from t5forge.nn.stack import stack_layers, unstack_layers
+from t5forge.nn.stack import stack_owned, unstack_layers
 
 NameTable = list[tuple[tuple[str, ...], str, bool]]
+# How a parameter is kept as it is read: (our path, its float32 value in our layout) -> the
+# leaf held (e.g. a bfloat16 array, or an int8 `quant.QArray`); None keeps float32.
+Store = Callable[[tuple[str, ...], np.ndarray], Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +34,8 @@ class Family:
     model_types: config.json `model_type`s read as this family.
     hf_architectures: config.json `architectures` of the family, for messages.
     architectures: `ModelConfig.architecture`s written as this family.
-    load: (directory, its config.json) -> (ModelConfig, float32 parameter tree).
+    load: (directory, its config.json, `Store` or None) -> (ModelConfig, parameter tree,
+      unscanned), each weight read and kept as `Store` says before the next is read.
     hf_config: ModelConfig -> config.json.
     generation_config: ModelConfig -> generation_config.json.
     to_state: (parameter tree, ModelConfig) -> {HF weight name: float32 array}, all the
@@ -52,7 +57,7 @@ class Family:
   model_types: tuple[str, ...]
   hf_architectures: tuple[str, ...]
   architectures: tuple[str, ...]
-  load: Callable[[str, dict], tuple[ModelConfig, dict]]
+  load: Callable[[str, dict, Store | None], tuple[ModelConfig, dict]]
   hf_config: Callable[[ModelConfig], dict]
   generation_config: Callable[[ModelConfig], dict]
   to_state: Callable[[dict, ModelConfig], dict[str, np.ndarray]]
@@ -76,19 +81,25 @@ def _get(tree: dict, path: tuple):
   return tree
 
 
-def state_to_params(state: dict[str, np.ndarray], config: ModelConfig, *, source: str,
+def state_to_params(state: Mapping[str, np.ndarray], config: ModelConfig, *, source: str,
                     table: NameTable, ignore: tuple[str, ...] = (), family: str,
-                    leftover_hint: str = "") -> dict:
-  """HF state dict -> our parameter tree (float32), checking every name and shape.
+                    leftover_hint: str = "", store: Store | None = None) -> dict:
+  """HF state dict -> our parameter tree (float32, or as `store` keeps each leaf),
+  checking every name and shape.
+
+  Each weight is looked up once and converted before the next (a `weights.WeightState`
+  reads it from disk then), so with a `store` that casts, the tree is built without a
+  float32 copy of the model in memory.
 
   Args:
-    state: {HF weight name: array}.
+    state: {HF weight name: array}, e.g. a `weights.WeightState`.
     config: the model the weights are for; its `scan_layers` decides the layout returned.
     source: the directory, for messages.
     table: the family's name table for `config`.
     ignore: HF names that may be present without a place in the tree (tied copies).
     family: the family's name, for messages.
     leftover_hint: appended to the message about weights with no place in the tree.
+    store: how each leaf is kept (`Store`); None: float32.
   """
   expected = unstack_layers(abstract_params(config.replace(scan_layers=False)))
   params: dict = {}
@@ -97,20 +108,22 @@ def state_to_params(state: dict[str, np.ndarray], config: ModelConfig, *, source
     if key not in state:
       raise UserError(f"{source}: weight {key!r} is missing (needed for {'/'.join(path)}); "
                       f"is this a {family} checkpoint of the architecture config.json describes?")
-    value = np.asarray(state[key])
-    value = value.T if transpose else value
+    stored = np.asarray(state[key])
+    value = stored.T if transpose else stored
     want = tuple(_get(expected, path).shape)
     if value.shape != want:
-      raise UserError(f"{source}: weight {key!r} has shape {tuple(state[key].shape)}, but "
+      raise UserError(f"{source}: weight {key!r} has shape {tuple(stored.shape)}, but "
                       f"config.json implies {want if not transpose else want[::-1]} "
                       f"for {'/'.join(path)}; config and weights disagree")
-    _set(params, path, value.astype(np.float32))
+    value = value.astype(np.float32)
+    _set(params, path, value if store is None else store(path, value))
+    del stored, value  # one weight of the file in memory at a time
     used.add(key)
   leftover = sorted(set(state) - used - set(ignore))
   if leftover:
     raise UserError(f"{source}: {len(leftover)} weight(s) have no place in a {family} model, "
                     f"e.g. {leftover[0]!r}{leftover_hint}")
-  return stack_layers(params) if config.scan_layers else params
+  return stack_owned(params) if config.scan_layers else params
 
 
 def params_to_state(params: dict, config: ModelConfig, table: NameTable) -> dict[str, np.ndarray]:

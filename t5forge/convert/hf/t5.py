@@ -18,7 +18,8 @@ import numpy as np
 
 from t5forge.convert.hf import tokenizer
 from t5forge.convert.hf.config_files import CONFIG_FILE
-from t5forge.convert.hf.family import Family, NameTable, params_to_state, state_to_params
+from t5forge.convert.hf.family import (Family, NameTable, Store, params_to_state,
+                                      state_to_params)
 from t5forge.convert.hf.weights import load_hf_state
 from t5forge.errors import UserError
 from t5forge.nn.config import ENCODER_DECODER, ModelConfig
@@ -184,14 +185,17 @@ def _distinct_lm_head(state: dict[str, np.ndarray]) -> bool:
       shared, state["lm_head.weight"])
 
 
-def load(model_dir: str, hf_cfg: dict) -> tuple[ModelConfig, dict]:
-  """An HF T5 directory and its config.json -> (ModelConfig, float32 parameter tree)."""
+def load(model_dir: str, hf_cfg: dict,
+         store: Store | None = None) -> tuple[ModelConfig, dict]:
+  """An HF T5 directory and its config.json -> (ModelConfig, float32 parameter tree,
+  or each leaf as `store` keeps it)."""
   state = load_hf_state(model_dir)
   config = config_from_hf(hf_cfg, untied_lm_head=_distinct_lm_head(state),
                           source=os.path.join(model_dir, CONFIG_FILE))
   params = state_to_params(state, config, source=model_dir, table=name_table(config),
                            ignore=_REDUNDANT + ("lm_head.weight",), family="T5",
-                           leftover_hint="; UMT5 and other variants are not supported")
+                           leftover_hint="; UMT5 and other variants are not supported",
+                           store=store)
   return config, params
 
 

@@ -16,7 +16,8 @@ import numpy as np
 from t5forge.convert.hf import tokenizer
 from t5forge.convert.hf.config_files import (CONFIG_FILE, GENERATION_CONFIG_FILE, eos_token_ids,
                                              eos_value, int_if_whole, read_generation_config)
-from t5forge.convert.hf.family import Family, NameTable, params_to_state, state_to_params
+from t5forge.convert.hf.family import (Family, NameTable, Store, params_to_state,
+                                      state_to_params)
 from t5forge.convert.hf.weights import load_hf_state
 from t5forge.errors import UserError
 from t5forge.nn.config import T5GEMMA, ModelConfig
@@ -322,8 +323,10 @@ def _check_layer_counts(state: dict, config: ModelConfig, source: str) -> None:
                       f"to {m}")
 
 
-def load(model_dir: str, hf_cfg: dict) -> tuple[ModelConfig, dict]:
-  """An HF T5Gemma directory and its config.json -> (ModelConfig, float32 parameter tree)."""
+def load(model_dir: str, hf_cfg: dict,
+         store: Store | None = None) -> tuple[ModelConfig, dict]:
+  """An HF T5Gemma directory and its config.json -> (ModelConfig, float32 parameter tree,
+  or each leaf as `store` keeps it)."""
   source = os.path.join(model_dir, CONFIG_FILE)
   state = load_hf_state(model_dir)
   untied = hf_cfg.get("tie_word_embeddings", True) is False and _distinct_lm_head(state)
@@ -334,7 +337,7 @@ def load(model_dir: str, hf_cfg: dict) -> tuple[ModelConfig, dict]:
   _check_layer_counts(state, config, source)
   params = state_to_params(state, config, source=model_dir, table=name_table(config),
                            ignore=(LM_HEAD,) if config.logits_via_embedding else (),
-                           family="T5Gemma")
+                           family="T5Gemma", store=store)
   return config, params
 
 

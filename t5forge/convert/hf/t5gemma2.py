@@ -27,8 +27,9 @@ import numpy as np
 from t5forge.convert.hf import t5gemma, tokenizer
 from t5forge.convert.hf.config_files import (CONFIG_FILE, GENERATION_CONFIG_FILE, eos_token_ids,
                                              eos_value, read_generation_config)
-from t5forge.convert.hf.family import Family, NameTable, params_to_state, state_to_params
-from t5forge.convert.hf.weights import load_hf_state
+from t5forge.convert.hf.family import (Family, NameTable, Store, params_to_state,
+                                      state_to_params)
+from t5forge.convert.hf.weights import WeightState, load_hf_state
 from t5forge.errors import UserError
 from t5forge.nn.config import T5GEMMA2, ModelConfig
 
@@ -272,20 +273,18 @@ def name_table(config: ModelConfig) -> NameTable:
   return t
 
 
-def text_state(state: dict) -> dict:
+def text_state(state: WeightState) -> WeightState:
   """The text weights of a T5Gemma 2 state dict under the names `name_table` uses:
-  vision weights dropped, `model.encoder.text_model.` read as `model.encoder.`."""
-  out = {}
-  for name, value in state.items():
-    if name.startswith(VISION_PREFIXES):
-      continue
-    out[name.replace("model.encoder.text_model.", "model.encoder.", 1)] = value
-  return out
+  vision weights dropped, `model.encoder.text_model.` read as `model.encoder.` (still
+  read on look-up)."""
+  return state.renamed({name.replace("model.encoder.text_model.", "model.encoder.", 1): name
+                        for name in state if not name.startswith(VISION_PREFIXES)})
 
 
-def load(model_dir: str, hf_cfg: dict) -> tuple[ModelConfig, dict]:
-  """An HF T5Gemma 2 directory and its config.json -> (ModelConfig, float32 parameter tree),
-  text only."""
+def load(model_dir: str, hf_cfg: dict,
+         store: Store | None = None) -> tuple[ModelConfig, dict]:
+  """An HF T5Gemma 2 directory and its config.json -> (ModelConfig, float32 parameter tree
+  or each leaf as `store` keeps it), text only."""
   gen_source = os.path.join(model_dir, GENERATION_CONFIG_FILE)
   config = config_from_hf(hf_cfg, source=os.path.join(model_dir, CONFIG_FILE),
                           generation=read_generation_config(gen_source),
@@ -300,7 +299,7 @@ def load(model_dir: str, hf_cfg: dict) -> tuple[ModelConfig, dict]:
                       "T5Gemma 2 ties them (t5forge cannot hold separate ones)")
   ignore = TIED + (() if config.eoi_token_id is not None else (EOI,))
   params = state_to_params(state, config, source=model_dir, table=name_table(config),
-                           ignore=ignore, family="T5Gemma 2")
+                           ignore=ignore, family="T5Gemma 2", store=store)
   return config, params
 
 
