@@ -6,6 +6,7 @@
     python -m bench --quick                # smoke test: tiny shapes, 1 round (~2-3 minutes)
     python -m bench serve                  # `t5forge serve` under load (bench/serve.py)
     python -m bench infer                  # `t5forge infer`, engine vs static batches
+    python -m bench peft                   # LoRA on a bf16 / int8 frozen base (bench/peft.py)
     python -m bench matmul t5gemma         # T5Gemma-S-S training + greedy vs transformers
 
 Cases: `matmul` (JAX and torch matmul peaks), `train` (step time, tokens/s, peak RSS,
@@ -38,7 +39,7 @@ import os
 import sys
 import time
 
-from bench import (decode_cases, infer_mixed, report as report_lib, serve, shapes,
+from bench import (decode_cases, infer_mixed, peft, report as report_lib, serve, shapes,
                    t5gemma_cases, table, train_cases)
 from bench.prepare import RESULTS_DIR, Context, bf16_hardware, machine_info, prepare_models
 from bench.workers import WorkerError, log
@@ -87,6 +88,8 @@ def main(argv=None) -> int:
     return serve.main(argv[1:])
   if argv[:1] == ["infer"]:  # its own driver too (bench/infer_mixed.py)
     return infer_mixed.main(argv[1:])
+  if argv[:1] == ["peft"]:  # and this one (bench/peft.py)
+    return peft.main(argv[1:])
   args = _parse(argv)
   plan = shapes.QUICK if args.quick else shapes.FULL
   rounds = args.rounds or plan.rounds

@@ -1,0 +1,229 @@
+"""Adapter training on a frozen base that does not fit as float32: peak RSS and step time.
+
+    python -m bench peft                      # the three cases below, one process each
+    python -m bench peft --cases xl-bf16      # one case
+    python -m bench peft --quick              # smoke test: flan-t5-small shape, short inputs
+
+Each case is one LoRA (q, v; rank 8) training step of the real shape, batch 8, inputs
+512 / targets 114, `remat_policy='full'`, scanned layers, bfloat16 compute, Adafactor on
+the adapter: one compile and two steps, in a fresh process whose `ru_maxrss` is the
+figure reported (the whole process: base, adapter, optimizer state, the step's
+temporaries, the compiler).
+
+    xl-bf16        flan-t5-xl (2.85B), bfloat16 base          target <= 11 GiB
+    xxl-int8       flan-t5-xxl (11.3B), int8 base             target <= 18 GiB
+    t5gemma-2b-bf16  T5Gemma 2B-2B, bfloat16 base             target <= 16 GiB
+
+The base is built directly in its storage dtype with random values (no 44 GB file is
+written or read; reading one tensor by tensor is measured by tests/test_base_loading.py):
+kernels N(0, 1/in) rounded to bfloat16, or int8 values with per-channel scales of the
+same spread; embeddings and norms float32. Memory and time do not depend on the values.
+Writes bench/results/peft.json (peft_quick.json with --quick); the table goes into
+docs/performance.md ("Adapter training on a frozen base").
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# name -> (preset, base_dtype, target peak GiB)
+CASES = {
+    "xl-bf16": ("flan_t5.xl", "bfloat16", 11.0),
+    "xxl-int8": ("flan_t5.xxl", "int8", 18.0),
+    "t5gemma-2b-bf16": ("t5gemma.2b-2b", "bfloat16", 16.0),
+}
+QUICK = {"small-bf16": ("flan_t5.small", "bfloat16", None),
+         "small-int8": ("flan_t5.small", "int8", None)}
+BATCH, INPUT_LENGTH, TARGET_LENGTH = 8, 512, 114
+QUICK_LENGTHS = (64, 16)
+STEPS = 2
+
+
+def _random_base(abstract: dict, base_dtype: str, seed: int) -> dict:
+  """Base parameters of the shapes in `abstract` (ShapeDtypeStructs, any layout), made in
+  their storage dtype one layer slice at a time (never a float32 copy of a kernel)."""
+  import ml_dtypes
+  import numpy as np
+
+  from t5forge.nn import quant
+  rng = np.random.default_rng(seed)
+
+  def kernel(shape):
+    fan_in = shape[-2]
+    if base_dtype == "int8":
+      q = np.empty(shape, np.int8)
+      for idx in np.ndindex(*shape[:-2]):
+        q[idx] = rng.integers(-127, 128, shape[-2:], dtype=np.int8)
+      # int8 values spread ~73 (uniform); this scale gives the N(0, 1/in) spread.
+      scale = np.full(shape[:-2] + shape[-1:], 1.0 / (73.0 * np.sqrt(fan_in)), np.float32)
+      return quant.QArray(q=q, scale=scale)
+    out = np.empty(shape, ml_dtypes.bfloat16 if base_dtype == "bfloat16" else np.float32)
+    for idx in np.ndindex(*shape[:-2]):
+      out[idx] = rng.standard_normal(shape[-2:], np.float32) / np.sqrt(fan_in)
+    return out
+
+  def leaf(name, spec):
+    shape = tuple(spec.shape)
+    if name == "kernel":
+      return kernel(shape)
+    if name == "scale":  # norms
+      return np.ones(shape, np.float32)
+    return (rng.standard_normal(shape, np.float32) * 0.5).astype(np.float32)
+
+  def walk(tree):
+    return {k: walk(v) if isinstance(v, dict) else leaf(k, v) for k, v in tree.items()}
+
+  return walk(abstract)
+
+
+def _nbytes(tree) -> int:
+  import jax
+  return int(sum(x.nbytes for x in jax.tree.leaves(tree)))
+
+
+def worker(name: str, preset: str, base_dtype: str, quick: bool, seed: int = 0) -> dict:
+  """One case in this process: build, compile, run STEPS steps; the measurements."""
+  import jax
+  import jax.numpy as jnp
+
+  from bench import shapes
+  from t5forge import presets
+  from t5forge import nn as t5nn
+  from t5forge.models import model_for
+  from t5forge.nn import adapters, lora
+  from t5forge.train import optim
+  from t5forge.train.state import create as create_state
+  from t5forge.train.step import make_train_step
+
+  started = time.perf_counter()
+  config = presets.get(preset, scan_layers=True, remat_policy="full", dtype="bfloat16",
+                       dropout_rate=0.0, lora=lora.LoraConfig(rank=8, targets="qv"))
+  model = model_for(config)
+  adapter, base_abstract = adapters.split(t5nn.abstract_params(config))
+  base = _random_base(base_abstract, base_dtype, seed)
+  adapter = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), adapter)
+  adapter = lora.init_adapter(adapter, jax.random.key(seed)) if hasattr(
+      lora, "init_adapter") else adapter
+  base = jax.tree.map(jnp.asarray, base)  # on CPU: the same buffers, placed
+  build_s = time.perf_counter() - started
+  axes, _ = adapters.split(model.logical_axes())
+  tx = optim.Adafactor().build(lambda _: 1e-3, axes)
+  state = create_state(adapter, tx)
+  input_length, target_length = QUICK_LENGTHS if quick else (INPUT_LENGTH, TARGET_LENGTH)
+  feats = {k: jnp.asarray(v) for k, v in shapes.train_batch(
+      config.vocab_size, BATCH, input_length, target_length, seed).items()}
+  step = jax.jit(make_train_step(model, tx, seed=seed), donate_argnums=(0,))
+  t0 = time.perf_counter()
+  compiled = step.lower(state, feats, base).compile()
+  compile_s = time.perf_counter() - t0
+  memory = compiled.memory_analysis()
+  step_s, losses = [], []
+  for _ in range(STEPS):
+    t0 = time.perf_counter()
+    state, sums = compiled(state, feats, base)
+    jax.block_until_ready((state, sums))
+    step_s.append(time.perf_counter() - t0)
+    losses.append(float(sums["cross_ent_loss"]) / float(sums["weight_sum"]))
+  return {
+      "case": name, "preset": preset, "base_dtype": base_dtype,
+      "batch": BATCH, "input_length": input_length, "target_length": target_length,
+      "base_params": int(sum(x.size for x in jax.tree.leaves(base_abstract))),
+      "adapter_params": int(sum(x.size for x in jax.tree.leaves(adapter))),
+      "base_bytes": _nbytes(base), "adapter_bytes": _nbytes(state.params),
+      "optimizer_bytes": _nbytes(state.opt_state),
+      "temp_bytes": int(getattr(memory, "temp_size_in_bytes", 0) or 0),
+      "build_s": round(build_s, 1), "compile_s": round(compile_s, 1),
+      "step_s": [round(s, 2) for s in step_s], "losses": losses,
+      "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+  }
+
+
+def _run_case(name: str, spec: tuple, quick: bool, timeout_s: float) -> dict:
+  preset, base_dtype, target = spec
+  cmd = [sys.executable, "-m", "bench.peft", "--worker", name, "--preset", preset,
+         "--base-dtype", base_dtype] + (["--quick"] if quick else [])
+  started = time.perf_counter()
+  try:
+    out = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s,
+                         env={**os.environ, "PYTHONPATH": REPO_ROOT})
+  except subprocess.TimeoutExpired:
+    return {"case": name, "preset": preset, "base_dtype": base_dtype, "target_gib": target,
+            "error": f"not finished in {timeout_s:.0f} s"}
+  lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+  if out.returncode or not lines:
+    tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"case": name, "preset": preset, "base_dtype": base_dtype, "target_gib": target,
+            "error": f"exit {out.returncode}: {tail}"}
+  row = json.loads(lines[-1])
+  row.update(target_gib=target, wall_s=round(time.perf_counter() - started, 1))
+  return row
+
+
+def render(rows: list[dict]) -> str:
+  """The markdown table of docs/performance.md."""
+  gib = 2 ** 30
+  out = ["| case | base | base GiB | adapter + optimizer MiB | XLA temp GiB | peak RSS GiB "
+         "| target | compile s | step s |",
+         "|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    if "error" in r:
+      out.append(f"| {r['case']} ({r['preset']}) | {r['base_dtype']} | | | | not measured: "
+                 f"{r['error']} | {r.get('target_gib') or ''} | | |")
+      continue
+    target = r.get("target_gib")
+    peak = r["peak_rss_bytes"] / gib
+    verdict = "" if target is None else (" (met)" if peak <= target else " (missed)")
+    out.append(
+        f"| {r['case']} ({r['preset']}) | {r['base_dtype']} | {r['base_bytes'] / gib:.2f} "
+        f"| {(r['adapter_bytes'] + r['optimizer_bytes']) / 2**20:.1f} "
+        f"| {r['temp_bytes'] / gib:.2f} | {peak:.2f} "
+        f"| {'' if target is None else f'<= {target:g}'}{verdict} | {r['compile_s']:.0f} "
+        f"| {', '.join(f'{s:.1f}' for s in r['step_s'])} |")
+  return "\n".join(out)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="python -m bench peft", description=__doc__.splitlines()[0])
+  p.add_argument("--cases", default=None,
+                 help=f"comma-separated, of {', '.join(CASES)} (default: all, in that order)")
+  p.add_argument("--quick", action="store_true", help="smoke test: flan-t5-small shape")
+  p.add_argument("--timeout", type=float, default=3600.0, help="seconds per case")
+  p.add_argument("--output", default=None, help="JSON path (default bench/results/peft.json)")
+  p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+  p.add_argument("--preset", default=None, help=argparse.SUPPRESS)
+  p.add_argument("--base-dtype", default=None, help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  if args.worker:
+    print(json.dumps(worker(args.worker, args.preset, args.base_dtype, args.quick)), flush=True)
+    return 0
+  table = QUICK if args.quick else CASES
+  names = args.cases.split(",") if args.cases else list(table)
+  unknown = [n for n in names if n not in table]
+  if unknown:
+    p.error(f"unknown case(s) {unknown}; choose from {', '.join(table)}")
+  from bench.prepare import RESULTS_DIR, machine_info
+  from bench.report import write_json
+  output = args.output or os.path.join(RESULTS_DIR, "peft_quick.json" if args.quick
+                                       else "peft.json")
+  report = {"benchmark": "adapter training on a frozen base", "machine": machine_info(),
+            "command": " ".join(["python -m bench peft"] + list(argv or sys.argv[1:])),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": []}
+  for name in names:
+    print(f"[peft] {name}: {table[name][0]}, {table[name][1]} base ...", file=sys.stderr,
+          flush=True)
+    report["rows"].append(_run_case(name, table[name], args.quick, args.timeout))
+    write_json(output, report)  # what was measured survives a later case's failure
+  print(render(report["rows"]))
+  print(f"\nwrote {os.path.relpath(output)}")
+  return 1 if any("error" in r for r in report["rows"]) else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
