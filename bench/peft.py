@@ -17,7 +17,9 @@ temporaries, the compiler).
 The base is built directly in its storage dtype with random values (no 44 GB file is
 written or read; reading one tensor by tensor is measured by tests/test_base_loading.py):
 kernels N(0, 1/in) rounded to bfloat16, or int8 values with per-channel scales of the
-same spread; embeddings and norms float32. Memory and time do not depend on the values.
+same spread (`QArray(exact=True)`, the training path), one random block per kernel shape
+copied into every layer; embeddings and norms float32. Memory and time do not depend on
+the values.
 Writes bench/results/peft.json (peft_quick.json with --quick); the table goes into
 docs/performance.md ("Adapter training on a frozen base").
 """
@@ -43,7 +45,7 @@ QUICK = {"small-bf16": ("flan_t5.small", "bfloat16", None),
          "small-int8": ("flan_t5.small", "int8", None)}
 BATCH, INPUT_LENGTH, TARGET_LENGTH = 8, 512, 114
 QUICK_LENGTHS = (64, 16)
-STEPS = 2
+STEPS = 2  # after the compile; the first one's peak is the step's peak
 
 
 def _random_base(abstract: dict, base_dtype: str, seed: int) -> dict:
@@ -54,20 +56,26 @@ def _random_base(abstract: dict, base_dtype: str, seed: int) -> dict:
 
   from t5forge.nn import quant
   rng = np.random.default_rng(seed)
+  blocks: dict = {}  # one random [in, out] block per shape, copied into every layer
+
+  def block(shape):
+    if shape not in blocks:
+      if base_dtype == "int8":
+        blocks[shape] = rng.integers(-127, 128, shape, dtype=np.int8)
+      else:
+        w = rng.standard_normal(shape, np.float32) / np.sqrt(shape[0])
+        blocks[shape] = w.astype(ml_dtypes.bfloat16) if base_dtype == "bfloat16" else w
+    return blocks[shape]
 
   def kernel(shape):
-    fan_in = shape[-2]
-    if base_dtype == "int8":
-      q = np.empty(shape, np.int8)
-      for idx in np.ndindex(*shape[:-2]):
-        q[idx] = rng.integers(-127, 128, shape[-2:], dtype=np.int8)
-      # int8 values spread ~73 (uniform); this scale gives the N(0, 1/in) spread.
-      scale = np.full(shape[:-2] + shape[-1:], 1.0 / (73.0 * np.sqrt(fan_in)), np.float32)
-      return quant.QArray(q=q, scale=scale)
-    out = np.empty(shape, ml_dtypes.bfloat16 if base_dtype == "bfloat16" else np.float32)
+    out = np.empty(shape, block(shape[-2:]).dtype)
     for idx in np.ndindex(*shape[:-2]):
-      out[idx] = rng.standard_normal(shape[-2:], np.float32) / np.sqrt(fan_in)
-    return out
+      out[idx] = block(shape[-2:])
+    if base_dtype != "int8":
+      return out
+    # Uniform int8 values have spread ~73; this scale gives the N(0, 1/in) spread.
+    scale = np.full(shape[:-2] + shape[-1:], 1.0 / (73.0 * np.sqrt(shape[-2])), np.float32)
+    return quant.QArray(q=out, scale=scale, exact=True)
 
   def leaf(name, spec):
     shape = tuple(spec.shape)
@@ -75,7 +83,26 @@ def _random_base(abstract: dict, base_dtype: str, seed: int) -> dict:
       return kernel(shape)
     if name == "scale":  # norms
       return np.ones(shape, np.float32)
-    return (rng.standard_normal(shape, np.float32) * 0.5).astype(np.float32)
+    return rng.standard_normal(shape, np.float32) * np.float32(0.5)
+
+  def walk(tree):
+    return {k: walk(v) if isinstance(v, dict) else leaf(k, v) for k, v in tree.items()}
+
+  return walk(abstract)
+
+
+def _fresh_adapter(abstract: dict, seed: int) -> dict:
+  """LoRA leaves as a fresh adapter has them (the layers' init; `t5nn.init_params` would
+  initialise the float32 base too): lora_a U(-1/sqrt(in), 1/sqrt(in)), lora_b zeros."""
+  import jax
+  import jax.numpy as jnp
+  keys = iter(jax.random.split(jax.random.key(seed), 4096))
+
+  def leaf(name, spec):
+    if name == "lora_a":
+      bound = 1.0 / spec.shape[-2] ** 0.5
+      return jax.random.uniform(next(keys), spec.shape, spec.dtype, -bound, bound)
+    return jnp.zeros(spec.shape, spec.dtype)
 
   def walk(tree):
     return {k: walk(v) if isinstance(v, dict) else leaf(k, v) for k, v in tree.items()}
@@ -88,8 +115,9 @@ def _nbytes(tree) -> int:
   return int(sum(x.nbytes for x in jax.tree.leaves(tree)))
 
 
-def worker(name: str, preset: str, base_dtype: str, quick: bool, seed: int = 0) -> dict:
-  """One case in this process: build, compile, run STEPS steps; the measurements."""
+def worker(name: str, preset: str, base_dtype: str, quick: bool, steps: int = STEPS,
+           seed: int = 0) -> dict:
+  """One case in this process: build, compile, run `steps` steps; the measurements."""
   import jax
   import jax.numpy as jnp
 
@@ -100,7 +128,7 @@ def worker(name: str, preset: str, base_dtype: str, quick: bool, seed: int = 0) 
   from t5forge.nn import adapters, lora
   from t5forge.train import optim
   from t5forge.train.state import create as create_state
-  from t5forge.train.step import make_train_step
+  from t5forge.train import step as train_step
 
   started = time.perf_counter()
   config = presets.get(preset, scan_layers=True, remat_policy="full", dtype="bfloat16",
@@ -108,9 +136,7 @@ def worker(name: str, preset: str, base_dtype: str, quick: bool, seed: int = 0) 
   model = model_for(config)
   adapter, base_abstract = adapters.split(t5nn.abstract_params(config))
   base = _random_base(base_abstract, base_dtype, seed)
-  adapter = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), adapter)
-  adapter = lora.init_adapter(adapter, jax.random.key(seed)) if hasattr(
-      lora, "init_adapter") else adapter
+  adapter = _fresh_adapter(adapter, seed)
   base = jax.tree.map(jnp.asarray, base)  # on CPU: the same buffers, placed
   build_s = time.perf_counter() - started
   axes, _ = adapters.split(model.logical_axes())
@@ -119,19 +145,11 @@ def worker(name: str, preset: str, base_dtype: str, quick: bool, seed: int = 0) 
   input_length, target_length = QUICK_LENGTHS if quick else (INPUT_LENGTH, TARGET_LENGTH)
   feats = {k: jnp.asarray(v) for k, v in shapes.train_batch(
       config.vocab_size, BATCH, input_length, target_length, seed).items()}
-  step = jax.jit(make_train_step(model, tx, seed=seed), donate_argnums=(0,))
+  step = jax.jit(train_step.make_train_step(model, tx, seed=seed), donate_argnums=(0,))
   t0 = time.perf_counter()
   compiled = step.lower(state, feats, base).compile()
-  compile_s = time.perf_counter() - t0
   memory = compiled.memory_analysis()
-  step_s, losses = [], []
-  for _ in range(STEPS):
-    t0 = time.perf_counter()
-    state, sums = compiled(state, feats, base)
-    jax.block_until_ready((state, sums))
-    step_s.append(time.perf_counter() - t0)
-    losses.append(float(sums["cross_ent_loss"]) / float(sums["weight_sum"]))
-  return {
+  row = {
       "case": name, "preset": preset, "base_dtype": base_dtype,
       "batch": BATCH, "input_length": input_length, "target_length": target_length,
       "base_params": int(sum(x.size for x in jax.tree.leaves(base_abstract))),
@@ -139,30 +157,43 @@ def worker(name: str, preset: str, base_dtype: str, quick: bool, seed: int = 0) 
       "base_bytes": _nbytes(base), "adapter_bytes": _nbytes(state.params),
       "optimizer_bytes": _nbytes(state.opt_state),
       "temp_bytes": int(getattr(memory, "temp_size_in_bytes", 0) or 0),
-      "build_s": round(build_s, 1), "compile_s": round(compile_s, 1),
-      "step_s": [round(s, 2) for s in step_s], "losses": losses,
-      "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+      "build_s": round(build_s, 1), "compile_s": round(time.perf_counter() - t0, 1),
+      "step_s": [], "losses": [],
   }
+  for _ in range(steps):
+    t0 = time.perf_counter()
+    state, sums = compiled(state, feats, base)
+    jax.block_until_ready((state, sums))
+    row["step_s"].append(round(time.perf_counter() - t0, 2))
+    row["losses"].append(float(sums["cross_ent_loss"]) / float(sums["weight_sum"]))
+    row["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # A line per step: a case stopped by the driver's timeout keeps what it measured.
+    print(json.dumps(row), flush=True)
+  return row
 
 
-def _run_case(name: str, spec: tuple, quick: bool, timeout_s: float) -> dict:
+def _run_case(name: str, spec: tuple, quick: bool, steps: int, timeout_s: float) -> dict:
   preset, base_dtype, target = spec
   cmd = [sys.executable, "-m", "bench.peft", "--worker", name, "--preset", preset,
-         "--base-dtype", base_dtype] + (["--quick"] if quick else [])
+         "--base-dtype", base_dtype, "--steps", str(steps)] + (["--quick"] if quick else [])
   started = time.perf_counter()
+  failed = {"case": name, "preset": preset, "base_dtype": base_dtype, "target_gib": target}
   try:
     out = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s,
                          env={**os.environ, "PYTHONPATH": REPO_ROOT})
-  except subprocess.TimeoutExpired:
-    return {"case": name, "preset": preset, "base_dtype": base_dtype, "target_gib": target,
-            "error": f"not finished in {timeout_s:.0f} s"}
-  lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-  if out.returncode or not lines:
-    tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
-    return {"case": name, "preset": preset, "base_dtype": base_dtype, "target_gib": target,
-            "error": f"exit {out.returncode}: {tail}"}
-  row = json.loads(lines[-1])
+    stdout, error = out.stdout, None
+    if out.returncode:
+      error = f"exit {out.returncode}: " + (out.stderr.strip().splitlines() or ["no output"])[-1]
+  except subprocess.TimeoutExpired as e:
+    stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+    error = f"stopped after {timeout_s:.0f} s"
+  lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+  if not lines:
+    return {**failed, "error": error or "no result"}
+  row = json.loads(lines[-1])  # the last step it finished
   row.update(target_gib=target, wall_s=round(time.perf_counter() - started, 1))
+  if len(row["step_s"]) < steps:
+    row["note"] = f"{len(row['step_s'])} of {steps} steps ({error})"
   return row
 
 
@@ -194,6 +225,8 @@ def main(argv=None) -> int:
   p.add_argument("--cases", default=None,
                  help=f"comma-separated, of {', '.join(CASES)} (default: all, in that order)")
   p.add_argument("--quick", action="store_true", help="smoke test: flan-t5-small shape")
+  p.add_argument("--steps", type=int, default=STEPS, help=f"steps after the compile "
+                 f"(default {STEPS}; 1 still measures the step's peak)")
   p.add_argument("--timeout", type=float, default=3600.0, help="seconds per case")
   p.add_argument("--output", default=None, help="JSON path (default bench/results/peft.json)")
   p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -201,7 +234,7 @@ def main(argv=None) -> int:
   p.add_argument("--base-dtype", default=None, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.worker:
-    print(json.dumps(worker(args.worker, args.preset, args.base_dtype, args.quick)), flush=True)
+    worker(args.worker, args.preset, args.base_dtype, args.quick, args.steps)
     return 0
   table = QUICK if args.quick else CASES
   names = args.cases.split(",") if args.cases else list(table)
@@ -218,7 +251,7 @@ def main(argv=None) -> int:
   for name in names:
     print(f"[peft] {name}: {table[name][0]}, {table[name][1]} base ...", file=sys.stderr,
           flush=True)
-    report["rows"].append(_run_case(name, table[name], args.quick, args.timeout))
+    report["rows"].append(_run_case(name, table[name], args.quick, args.steps, args.timeout))
     write_json(output, report)  # what was measured survives a later case's failure
   print(render(report["rows"]))
   print(f"\nwrote {os.path.relpath(output)}")

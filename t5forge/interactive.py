@@ -426,7 +426,7 @@ def load(path: str, *, vocabulary=None, partitioner: Partitioner | None = None,
       a training run's adapter checkpoint) or Hugging Face peft's; ours is checked against
       the fingerprint of the base it was trained on.
     base_dtype: keep the weights as a frozen base for adapters: 'bfloat16' or 'int8'
-      projection kernels, the rest float32 (`nn.base_storage`); an HF checkpoint is cast
+      projection kernels, the rest float32 (`nn.adapters.store_base`); an HF checkpoint is cast
       tensor by tensor as it is read, so a model whose float32 copy does not fit in RAM
       loads. None: as stored.
     **overrides: runtime config fields, e.g. dtype='bfloat16', scan_layers=True.

@@ -147,7 +147,7 @@ def open_checkpoint(path: str, *, vocabulary=None, model=None, overrides: dict |
     vocabulary_path: a SentencePiece .model to use instead of `vocabulary` (--vocabulary),
       read as the checkpoint's family needs it (`vocab_io.from_model_file`).
     base_dtype: keep the parameters as a frozen base of 'float32', 'bfloat16' or 'int8'
-      projection kernels (`nn.base_storage`); an HF checkpoint is cast tensor by tensor as
+      projection kernels (`nn.adapters.store_base`); an HF checkpoint is cast tensor by tensor as
       it is read (`convert.load_checkpoint`). None: as stored.
 
   A vocabulary with more ids than the model's embedding rows is a UserError.

@@ -22,7 +22,7 @@ from t5forge.convert import hf, native, paths, t5x
 from t5forge.data import vocab_io
 from t5forge.data.vocab import Vocabulary
 from t5forge.errors import UserError
-from t5forge.nn import base_storage, quant
+from t5forge.nn import adapters, quant
 from t5forge.nn.config import ModelConfig
 from t5forge.nn.stack import stack_layers, unstack_layers
 
@@ -36,7 +36,7 @@ class LoadedCheckpoint:
   Attributes:
     config: the model config.
     params: float32 parameter tree (numpy or jax arrays); with a `base_dtype`, kernels
-      as that base keeps them (`nn.base_storage`).
+      as that base keeps them (`nn.adapters.store_base`).
     format: 'hf', 't5x' or 't5forge'.
     path: the directory or file actually read (e.g. the latest checkpoint_<step>).
     step: training step, when the format records one (else 0).
@@ -133,6 +133,17 @@ def relayout(params: dict, *, scanned: bool, to_scanned: bool) -> dict:
   return stack_layers(params) if to_scanned else unstack_layers(params)
 
 
+def _storer(base_dtype: str) -> hf.Store:
+  """`adapters.store_base`'s rule for one leaf, as an HF load applies it to each tensor
+  as it is read."""
+  adapters.store_base({}, base_dtype)  # an unknown dtype: its one-line error, before reading
+
+  def store(path: tuple[str, ...], value):
+    return adapters.store_base({path[-1]: value}, base_dtype)[path[-1]]
+
+  return store
+
+
 def load_checkpoint(path: str, *, base_dtype: str | None = None,
                     **overrides) -> LoadedCheckpoint:
   """Reads parameters and config from any supported checkpoint (see module doc).
@@ -140,7 +151,8 @@ def load_checkpoint(path: str, *, base_dtype: str | None = None,
   Args:
     path: local path, or a Hugging Face Hub name.
     base_dtype: keep the parameters as a frozen base of this storage dtype
-      (`nn.base_storage`: 'bfloat16' or 'int8' projection kernels, the rest float32).
+      (`nn.adapters.store_base`: 'bfloat16' or 'int8' projection kernels, the rest
+      float32).
       An HF checkpoint is cast tensor by tensor as it is read and laid out (scanned or
       not) as it is made, so no float32 copy of the model is held; other formats are
       read as float32 and then cast. None: float32, as read.
@@ -151,7 +163,7 @@ def load_checkpoint(path: str, *, base_dtype: str | None = None,
   if bad:
     raise UserError(f"cannot override {bad} when loading a checkpoint; only "
                     f"{list(RUNTIME_FIELDS)} may change")
-  store = None if base_dtype is None else base_storage.storer(base_dtype)
+  store = None if base_dtype is None else _storer(base_dtype)
   path = local_path(path)
   fmt = detect_format(path)
   step, extras = 0, {}
@@ -172,7 +184,7 @@ def load_checkpoint(path: str, *, base_dtype: str | None = None,
   if new_config.weight_dtype == "int8" and config.weight_dtype != "int8":
     params = quant.quantize_params(params)
   if base_dtype is not None and fmt != HF:
-    params = base_storage.store_params(params, base_dtype)
+    params = adapters.store_base(params, base_dtype)
   return LoadedCheckpoint(new_config, params, fmt, path, step=step, extras=extras)
 
 
