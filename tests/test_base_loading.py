@@ -164,3 +164,90 @@ def test_base_shaped_bfloat16_load_holds_no_float32_copy(tmp_path):
   result = json.loads(out.stdout.strip().splitlines()[-1])
   assert result["same"] and result["leaves"] > 200
   assert result["growth"] < 0.7 * float32_bytes, (result["growth"] / 2**20, float32_bytes / 2**20)
+
+
+ADAPTER_GIN = """
+from __gin__ import dynamic_registration
+from t5forge.nn import config as network
+from t5forge.nn import lora
+from t5forge.train import loop as train_script
+include 'examples/finetune_from_hf.gin'
+INITIAL_CHECKPOINT_PATH = '{path}'
+TASK_FEATURE_LENGTHS = {{'inputs': 32, 'targets': 16}}
+TRAIN_STEPS = 2
+BATCH_SIZE = 2
+EVAL_PERIOD = 1000
+DROPOUT_RATE = 0.0
+network.ModelConfig:
+  emb_dim = 64
+  head_dim = 16
+  num_heads = 4
+  mlp_dim = 128
+  num_encoder_layers = 2
+  num_decoder_layers = 2
+  vocab_size = 8000
+  lora = @lora.LoraConfig()
+lora.LoraConfig.rank = 4
+train_script.train.base_dtype = '{base_dtype}'
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_flan_sharded(tmp_path_factory):
+  """A flan-t5-shaped HF directory in 3+ safetensors shards, the bundled 8k vocabulary
+  (the tokenizer of the example's task), written by transformers."""
+  import shutil
+
+  import torch
+  import transformers
+  from safetensors.torch import load_file, save_file
+
+  from t5forge.data import bundled_tasks
+  d = str(tmp_path_factory.mktemp("hf") / "tiny-flan")
+  torch.manual_seed(0)
+  config = transformers.T5Config(feed_forward_proj="gated-gelu", vocab_size=8000, d_model=64,
+                                 d_kv=16, num_heads=4, d_ff=128, num_layers=2,
+                                 num_decoder_layers=2, decoder_start_token_id=0)
+  transformers.T5ForConditionalGeneration(config).save_pretrained(d, max_shard_size="1MB")
+  # transformers 5 writes no lm_head here: add flan-t5's untied one to the last shard (and
+  # the index), with its config's tie_word_embeddings = false.
+  index_path = os.path.join(d, hf.SAFETENSORS_INDEX)
+  with open(index_path) as f:
+    index = json.load(f)
+  last = sorted(set(index["weight_map"].values()))[-1]
+  state = load_file(os.path.join(d, last))
+  state["lm_head.weight"] = torch.randn(8000, 64) * 0.05
+  save_file(state, os.path.join(d, last), metadata={"format": "pt"})
+  index["weight_map"]["lm_head.weight"] = last
+  with open(index_path, "w") as f:
+    json.dump(index, f)
+  with open(os.path.join(d, "config.json")) as f:
+    hf_config = json.load(f)
+  hf_config["tie_word_embeddings"] = False
+  hf_config.pop("scale_decoder_outputs", None)  # a transformers 5 field flan-t5's lacks
+  with open(os.path.join(d, "config.json"), "w") as f:
+    json.dump(hf_config, f)
+  shutil.copy(bundled_tasks.VOCAB_PATH, os.path.join(d, "spiece.model"))
+  assert len([n for n in os.listdir(d) if n.startswith("model-")]) >= 2
+  return d
+
+
+@pytest.mark.slow
+def test_adapter_training_reads_its_base_as_int8(tiny_flan_sharded, tmp_path):
+  """`train_script.train.base_dtype = 'int8'` from a sharded HF directory through the
+  CLI: the run trains and says so, and its checkpoint records the base, its dtype and the
+  fingerprint of the float32 base."""
+  from t5forge.nn import adapters
+  from train_helpers import run_train
+  gin = tmp_path / "lora.gin"
+  gin.write_text(ADAPTER_GIN.format(path=tiny_flan_sharded, base_dtype="int8"))
+  r = run_train(gin, tmp_path / "model")
+  assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+  assert "frozen in int8" in r.stdout + r.stderr
+  ckpt = tmp_path / "model" / "checkpoint_2"
+  with open(ckpt / adapters.CONFIG_FILE) as f:
+    record = json.load(f)
+  assert record["base_dtype"] == "int8" and record["base"] == tiny_flan_sharded
+  # The fingerprint is the float32 base's: the int8 read changed only the kernels.
+  assert record["fingerprint"] == adapters.fingerprint(
+      convert.load_checkpoint(tiny_flan_sharded, scan_layers=True).params)

@@ -29,6 +29,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 from t5forge import multihost
 from t5forge.convert import load_checkpoint, manifest, native
 from t5forge.errors import UserError
+from t5forge.nn import quant
 from t5forge.train.settings import RestoreCheckpointConfig, SaveCheckpointConfig
 
 OPT_STATE = "opt_state"
@@ -36,8 +37,10 @@ DATA_ITER = "data_iter"
 
 
 def _flatten(tree: Any) -> dict[str, Any]:
+  # An int8 kernel (a frozen base read with base_dtype='int8') is one parameter.
+  is_q = lambda x: isinstance(x, quant.QArray)
   return {"/".join(str(getattr(k, "key", k)) for k in path): leaf
-          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_q)[0]}
 
 
 def _unflatten_like(template: Any, flat: dict[str, Any]) -> Any:
@@ -53,12 +56,15 @@ _MODEL_GINS = {"encoder_decoder": "a T5 model gin (models/t5_1_1/*.gin, models/t
 
 
 def remap_params(ckpt_params: Any, fresh_params: Any, config: RestoreCheckpointConfig, *,
-                 source: str, fix: str | None = None) -> tuple[Any, list[str]]:
+                 source: str, fix: str | None = None,
+                 keep_dtype: bool = False) -> tuple[Any, list[str]]:
   """Builds the model's parameters from a checkpoint's, by name, as RestoreConfig says.
 
   Args:
     fix: what to do when a parameter is missing or of another shape (default: it may
       be a checkpoint of another model; rename or initialise it).
+    keep_dtype: keep each checkpoint leaf's dtype (a frozen base already stored as
+      bfloat16 or int8) instead of casting it to the fresh leaf's.
 
   Returns:
     (parameters shaped like fresh_params, names taken from the fresh initialisation).
@@ -90,7 +96,8 @@ def remap_params(ckpt_params: Any, fresh_params: Any, config: RestoreCheckpointC
       raise UserError(f"{source}: parameter {source_name!r} has shape {tuple(value.shape)} but "
                       f"the model's {name!r} is {tuple(init_value.shape)}; "
                       + (fix or "it is a checkpoint of another model"))
-    out[name] = jnp.asarray(value, dtype=init_value.dtype)  # dtype cast (e.g. bf16 -> f32)
+    out[name] = (jax.tree.map(jnp.asarray, value) if keep_dtype  # QArray: q and scale
+                 else jnp.asarray(value, dtype=init_value.dtype))  # dtype cast (e.g. bf16 -> f32)
   return _unflatten_like(fresh_params, out), from_scratch
 
 
@@ -265,13 +272,15 @@ def data_state_for_this_process(data_item: dict | None) -> Any:
   return states[jax.process_index()] if jax.process_index() < len(states) else None
 
 
-def initial_params(config: RestoreCheckpointConfig, fresh_params: Any, *,
-                   model_config) -> tuple[Any, int, list[str], list[str]]:
+def initial_params(config: RestoreCheckpointConfig, fresh_params: Any, *, model_config,
+                   base_dtype: str | None = None) -> tuple[Any, int, list[str], list[str]]:
   """Parameters to start training from INITIAL_CHECKPOINT_PATH.
 
   Args:
     fresh_params: a freshly initialised parameter tree of the model (its shapes and
       dtypes are the target; its values fill what the checkpoint does not provide).
+    base_dtype: read a frozen base stored as this (`convert.load_checkpoint`: an HF
+      checkpoint is cast tensor by tensor as it is read) and keep its dtypes.
 
   Returns:
     (params, step to continue from, names initialised fresh, notes on config fields
@@ -284,7 +293,8 @@ def initial_params(config: RestoreCheckpointConfig, fresh_params: Any, *,
                     "starts from one checkpoint: use 'specific' or 'latest'")
   # 'latest' and 'specific' alike: a MODEL_DIR means its newest intact checkpoint
   # (`convert.paths.resolve`, through `load_checkpoint`).
-  ckpt = load_checkpoint(config.path, scan_layers=model_config.scan_layers)
+  ckpt = load_checkpoint(config.path, scan_layers=model_config.scan_layers,
+                         base_dtype=base_dtype)
   fix = None
   theirs, ours = ckpt.config.architecture, model_config.architecture
   if theirs != ours:  # e.g. a T5 checkpoint given to a T5Gemma model gin
@@ -292,7 +302,8 @@ def initial_params(config: RestoreCheckpointConfig, fresh_params: Any, *,
            f"start from this checkpoint, or set INITIAL_CHECKPOINT_PATH to a checkpoint of "
            f"architecture {ours!r}")
   params, scratch = remap_params(ckpt.params, fresh_params, config,
-                                 source=ckpt.source_for(model_config), fix=fix)
+                                 source=ckpt.source_for(model_config), fix=fix,
+                                 keep_dtype=base_dtype is not None)
   semantic = ("mlp_activations", "logits_via_embedding", "should_scale_logits",
               "relative_attention_max_distance", "layer_norm_epsilon")
   notes = [f"{name}: checkpoint {getattr(ckpt.config, name)!r}, model {getattr(model_config, name)!r}"

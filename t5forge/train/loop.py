@@ -362,8 +362,10 @@ class _Run:
     if restore is None or not restore.path:
       raise UserError("adapter training (network.ModelConfig.lora or a prompt) needs the frozen "
                       "base: set INITIAL_CHECKPOINT_PATH to the checkpoint to adapt")
+    # Stored as read (an HF base tensor by tensor): never a float32 copy of the base.
     base, _, scratch, notes = ckpt_lib.initial_params(restore, abstract_base,
-                                                      model_config=self.model.config)
+                                                      model_config=self.model.config,
+                                                      base_dtype=base_dtype)
     if scratch:
       raise UserError(f"{restore.path}: the frozen base must come from the checkpoint, but "
                       f"{len(scratch)} parameter(s) would not ({', '.join(scratch[:3])}); remove "
