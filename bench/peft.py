@@ -46,6 +46,44 @@ QUICK = {"small-bf16": ("flan_t5.small", "bfloat16", None),
 BATCH, INPUT_LENGTH, TARGET_LENGTH = 8, 512, 114
 QUICK_LENGTHS = (64, 16)
 STEPS = 2  # after the compile; the first one's peak is the step's peak
+# The memory guard: a case stops (and says so) when its RSS passes its target by this
+# factor, or when the machine has less than MIN_AVAILABLE left, rather than push a shared
+# machine into the OOM killer.
+OVER_TARGET = 1.2
+MIN_AVAILABLE = 1.5 * 2 ** 30
+
+
+def _rss() -> int:
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _available() -> int:
+  with open("/proc/meminfo") as f:
+    for line in f:
+      if line.startswith("MemAvailable:"):
+        return int(line.split()[1]) * 1024
+  return 2 ** 62
+
+
+def _guard(row: dict, limit: float | None) -> None:
+  """Watches this process's RSS from a thread; past `limit` bytes or the machine's
+  MIN_AVAILABLE, prints `row` with the reason and exits at once."""
+  import threading
+
+  def watch():
+    while True:
+      rss, available = _rss(), _available()
+      if (limit is not None and rss > limit) or available < MIN_AVAILABLE:
+        why = (f"stopped at {rss / 2**30:.1f} GiB RSS" + (
+            f" (over {limit / 2**30:.1f} GiB)" if limit is not None and rss > limit else
+            f" ({available / 2**30:.1f} GiB left on the machine)"))
+        print(json.dumps({**row, "peak_rss_bytes": max(rss, row.get("peak_rss_bytes", 0)),
+                          "stopped": why}), flush=True)
+        os._exit(3)
+      time.sleep(0.2)
+
+  threading.Thread(target=watch, daemon=True).start()
 
 
 def _random_base(abstract: dict, base_dtype: str, seed: int) -> dict:
@@ -116,8 +154,9 @@ def _nbytes(tree) -> int:
 
 
 def worker(name: str, preset: str, base_dtype: str, quick: bool, steps: int = STEPS,
-           seed: int = 0) -> dict:
-  """One case in this process: build, compile, run `steps` steps; the measurements."""
+           seed: int = 0, target_gib: float | None = None) -> dict:
+  """One case in this process: build, compile, run `steps` steps; the measurements, a
+  JSON line after the compile and after each step (the memory guard prints its own)."""
   import jax
   import jax.numpy as jnp
 
@@ -130,6 +169,8 @@ def worker(name: str, preset: str, base_dtype: str, quick: bool, steps: int = ST
   from t5forge.train.state import create as create_state
   from t5forge.train import step as train_step
 
+  row = {"case": name, "preset": preset, "base_dtype": base_dtype, "step_s": []}
+  _guard(row, None if target_gib is None else target_gib * OVER_TARGET * 2 ** 30)
   started = time.perf_counter()
   config = presets.get(preset, scan_layers=True, remat_policy="full", dtype="bfloat16",
                        dropout_rate=0.0, lora=lora.LoraConfig(rank=8, targets="qv"))
@@ -145,12 +186,12 @@ def worker(name: str, preset: str, base_dtype: str, quick: bool, steps: int = ST
   input_length, target_length = QUICK_LENGTHS if quick else (INPUT_LENGTH, TARGET_LENGTH)
   feats = {k: jnp.asarray(v) for k, v in shapes.train_batch(
       config.vocab_size, BATCH, input_length, target_length, seed).items()}
-  step = jax.jit(train_step.make_train_step(model, tx, seed=seed), donate_argnums=(0,))
+  step = jax.jit(train_step.make_train_step(model, tx, seed=seed, adapter=True),
+                 donate_argnums=(0,))
   t0 = time.perf_counter()
   compiled = step.lower(state, feats, base).compile()
   memory = compiled.memory_analysis()
-  row = {
-      "case": name, "preset": preset, "base_dtype": base_dtype,
+  row.update({
       "batch": BATCH, "input_length": input_length, "target_length": target_length,
       "base_params": int(sum(x.size for x in jax.tree.leaves(base_abstract))),
       "adapter_params": int(sum(x.size for x in jax.tree.leaves(adapter))),
@@ -158,8 +199,10 @@ def worker(name: str, preset: str, base_dtype: str, quick: bool, steps: int = ST
       "optimizer_bytes": _nbytes(state.opt_state),
       "temp_bytes": int(getattr(memory, "temp_size_in_bytes", 0) or 0),
       "build_s": round(build_s, 1), "compile_s": round(time.perf_counter() - t0, 1),
-      "step_s": [], "losses": [],
-  }
+      "losses": [],
+      "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+  })
+  print(json.dumps(row), flush=True)
   for _ in range(steps):
     t0 = time.perf_counter()
     state, sums = compiled(state, feats, base)
@@ -175,7 +218,8 @@ def worker(name: str, preset: str, base_dtype: str, quick: bool, steps: int = ST
 def _run_case(name: str, spec: tuple, quick: bool, steps: int, timeout_s: float) -> dict:
   preset, base_dtype, target = spec
   cmd = [sys.executable, "-m", "bench.peft", "--worker", name, "--preset", preset,
-         "--base-dtype", base_dtype, "--steps", str(steps)] + (["--quick"] if quick else [])
+         "--base-dtype", base_dtype, "--steps", str(steps)] + (
+             ["--quick"] if quick else ["--target", str(target)])
   started = time.perf_counter()
   failed = {"case": name, "preset": preset, "base_dtype": base_dtype, "target_gib": target}
   try:
@@ -190,33 +234,35 @@ def _run_case(name: str, spec: tuple, quick: bool, steps: int, timeout_s: float)
   lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
   if not lines:
     return {**failed, "error": error or "no result"}
-  row = json.loads(lines[-1])  # the last step it finished
+  row = json.loads(lines[-1])  # the last step it finished, or why the guard stopped it
   row.update(target_gib=target, wall_s=round(time.perf_counter() - started, 1))
   if len(row["step_s"]) < steps:
-    row["note"] = f"{len(row['step_s'])} of {steps} steps ({error})"
+    row["note"] = f"{len(row['step_s'])} of {steps} steps: {row.get('stopped') or error}"
   return row
 
 
 def render(rows: list[dict]) -> str:
-  """The markdown table of docs/performance.md."""
+  """The markdown table of docs/performance.md; blank where a case did not get that far."""
   gib = 2 ** 30
+
+  def cell(r, key, scale, fmt):
+    return "" if r.get(key) is None else format(r[key] / scale, fmt)
+
   out = ["| case | base | base GiB | adapter + optimizer MiB | XLA temp GiB | peak RSS GiB "
-         "| target | compile s | step s |",
-         "|---|---|---|---|---|---|---|---|---|"]
+         "| target GiB | compile s | step s | note |",
+         "|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
-    if "error" in r:
-      out.append(f"| {r['case']} ({r['preset']}) | {r['base_dtype']} | | | | not measured: "
-                 f"{r['error']} | {r.get('target_gib') or ''} | | |")
-      continue
-    target = r.get("target_gib")
-    peak = r["peak_rss_bytes"] / gib
-    verdict = "" if target is None else (" (met)" if peak <= target else " (missed)")
+    target, peak = r.get("target_gib"), r.get("peak_rss_bytes")
+    verdict = "" if target is None or peak is None else (
+        " (met)" if peak / gib <= target and not r.get("note") else
+        " (missed)" if peak / gib > target else "")
+    state = "" if "adapter_bytes" not in r else f"{(r['adapter_bytes'] + r['optimizer_bytes']) / 2**20:.1f}"
     out.append(
-        f"| {r['case']} ({r['preset']}) | {r['base_dtype']} | {r['base_bytes'] / gib:.2f} "
-        f"| {(r['adapter_bytes'] + r['optimizer_bytes']) / 2**20:.1f} "
-        f"| {r['temp_bytes'] / gib:.2f} | {peak:.2f} "
-        f"| {'' if target is None else f'<= {target:g}'}{verdict} | {r['compile_s']:.0f} "
-        f"| {', '.join(f'{s:.1f}' for s in r['step_s'])} |")
+        f"| {r['case']} ({r['preset']}) | {r['base_dtype']} | {cell(r, 'base_bytes', gib, '.2f')} "
+        f"| {state} | {cell(r, 'temp_bytes', gib, '.2f')} | {cell(r, 'peak_rss_bytes', gib, '.2f')} "
+        f"| {'' if target is None else f'<= {target:g}'}{verdict} | {cell(r, 'compile_s', 1, '.0f')} "
+        f"| {', '.join(f'{x:.1f}' for x in r.get('step_s', []))} "
+        f"| {r.get('note') or r.get('error') or ''} |")
   return "\n".join(out)
 
 
@@ -232,9 +278,11 @@ def main(argv=None) -> int:
   p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
   p.add_argument("--preset", default=None, help=argparse.SUPPRESS)
   p.add_argument("--base-dtype", default=None, help=argparse.SUPPRESS)
+  p.add_argument("--target", type=float, default=None, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.worker:
-    worker(args.worker, args.preset, args.base_dtype, args.quick, args.steps)
+    worker(args.worker, args.preset, args.base_dtype, args.quick, args.steps,
+           target_gib=args.target)
     return 0
   table = QUICK if args.quick else CASES
   names = args.cases.split(",") if args.cases else list(table)
