@@ -18,7 +18,7 @@ The base is built directly in its storage dtype with random values (no 44 GB fil
 written or read; reading one tensor by tensor is measured by tests/test_base_loading.py):
 kernels N(0, 1/in) rounded to bfloat16, or int8 values with per-channel scales of the
 same spread (`QArray(exact=True)`, the training path), one random block per kernel shape
-copied into every layer; embeddings and norms float32. Memory and time do not depend on
+copied into every layer; embeddings float32 (a random block tiled) and norms 1. Memory and time do not depend on
 the values.
 Writes bench/results/peft.json (peft_quick.json with --quick); the table goes into
 docs/performance.md ("Adapter training on a frozen base").
@@ -87,8 +87,11 @@ def _guard(row: dict, limit: float | None) -> None:
 
 
 def _random_base(abstract: dict, base_dtype: str, seed: int) -> dict:
-  """Base parameters of the shapes in `abstract` (ShapeDtypeStructs, any layout), made in
-  their storage dtype one layer slice at a time (never a float32 copy of a kernel)."""
+  """Base parameters (jax arrays) of the shapes in `abstract` (ShapeDtypeStructs, any
+  layout), made in their storage dtype one leaf at a time (never a float32 copy of a
+  kernel, nor two copies of the base)."""
+  import jax
+  import jax.numpy as jnp
   import ml_dtypes
   import numpy as np
 
@@ -121,10 +124,16 @@ def _random_base(abstract: dict, base_dtype: str, seed: int) -> dict:
       return kernel(shape)
     if name == "scale":  # norms
       return np.ones(shape, np.float32)
-    return rng.standard_normal(shape, np.float32) * np.float32(0.5)
+    # Embeddings (256k x 2304 for T5Gemma): one random block of up to 1M values, tiled.
+    size = int(np.prod(shape))
+    return np.resize(rng.standard_normal(min(size, 2 ** 20), np.float32) * np.float32(0.5),
+                     shape)
 
   def walk(tree):
-    return {k: walk(v) if isinstance(v, dict) else leaf(k, v) for k, v in tree.items()}
+    # Each leaf placed as it is made (jax arrays; on CPU a copy): the host copy of one
+    # leaf at a time, never of the whole base.
+    return {k: walk(v) if isinstance(v, dict) else jax.tree.map(jnp.asarray, leaf(k, v))
+            for k, v in tree.items()}
 
   return walk(abstract)
 
@@ -178,7 +187,6 @@ def worker(name: str, preset: str, base_dtype: str, quick: bool, steps: int = ST
   adapter, base_abstract = adapters.split(t5nn.abstract_params(config))
   base = _random_base(base_abstract, base_dtype, seed)
   adapter = _fresh_adapter(adapter, seed)
-  base = jax.tree.map(jnp.asarray, base)  # on CPU: the same buffers, placed
   build_s = time.perf_counter() - started
   axes, _ = adapters.split(model.logical_axes())
   tx = optim.Adafactor().build(lambda _: 1e-3, axes)
