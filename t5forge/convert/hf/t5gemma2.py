@@ -273,12 +273,15 @@ def name_table(config: ModelConfig) -> NameTable:
   return t
 
 
-def text_state(state: WeightState) -> WeightState:
+def text_state(state: WeightState | dict) -> WeightState | dict:
   """The text weights of a T5Gemma 2 state dict under the names `name_table` uses:
   vision weights dropped, `model.encoder.text_model.` read as `model.encoder.` (still
   read on look-up)."""
-  return state.renamed({name.replace("model.encoder.text_model.", "model.encoder.", 1): name
-                        for name in state if not name.startswith(VISION_PREFIXES)})
+  names = {name.replace("model.encoder.text_model.", "model.encoder.", 1): name
+           for name in state if not name.startswith(VISION_PREFIXES)}
+  if isinstance(state, WeightState):
+    return state.renamed(names)
+  return {new: state[old] for new, old in names.items()}  # a plain {name: array}
 
 
 def load(model_dir: str, hf_cfg: dict,
