@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import traverse_util
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
@@ -142,8 +143,9 @@ def store_base(base: dict, dtype: str) -> dict:
 
 def save(path: str, adapter: dict, *, model_config: dict, record: dict) -> None:
   """Writes our adapter format into directory `path` (unscanned layout, float32)."""
-  flat = {p: np.ascontiguousarray(np.asarray(jax.device_get(v), np.float32))
-          for p, v in _leaves(stack.unstack_layers(jax.device_get(adapter)))}
+  flat = {p: np.ascontiguousarray(np.asarray(v, np.float32)) for p, v in
+          traverse_util.flatten_dict(stack.unstack_layers(jax.device_get(adapter)),
+                                     sep="/").items()}
   if not flat:
     raise UserError("there is no adapter to save: the model has no LoRA or prompt parameters")
   os.makedirs(path, exist_ok=True)
@@ -174,13 +176,7 @@ def load(path: str) -> tuple[dict, dict, dict]:
     raise UserError(f"{path}: {WEIGHTS_FILE} is missing")
   with open(weights, "rb") as f:
     flat = st_load(f.read())
-  tree: dict = {}
-  for key, value in flat.items():
-    node = tree
-    *parents, leaf = key.split("/")
-    for p in parents:
-      node = node.setdefault(p, {})
-    node[leaf] = value
+  tree = traverse_util.unflatten_dict(flat, sep="/")
   record = {k: v for k, v in meta.items() if k not in ("format", "model")}
   return tree, meta.get("model") or {}, record
 
