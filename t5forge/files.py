@@ -5,6 +5,11 @@ renamed over its name (`os.replace` is atomic on POSIX within one filesystem), s
 a concurrent writer or a run killed half-way sees the old file or the new one, never a torn
 one. A directory is written into a temporary sibling and renamed into place (`staged_dir`).
 
+A `gs://` or `s3://` path has no rename: the file is written locally and sent as one
+object (`t5forge.storage.upload`), which a bucket makes visible whole or not at all; a
+directory is written locally and uploaded file by file, the files named in `last` after
+the rest, so the one a reader takes as the mark of a complete copy comes last.
+
 `jsonable` turns numpy scalars/arrays and bytes into what `json` accepts.
 """
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from t5forge import storage
 from t5forge.errors import UserError
 
 # mkstemp makes 0600 files; what we write (checkpoint metadata, caches a team may share,
@@ -34,6 +40,12 @@ def atomic_path(path: str) -> Iterator[str]:
   temporary file is removed and `path` is left as it was. The directory of `path` is created
   if missing; an unwritable directory raises OSError before anything is written.
   """
+  if storage.is_remote(path):
+    with tempfile.TemporaryDirectory(prefix="t5forge-write-") as tmpdir:
+      tmp = os.path.join(tmpdir, storage.basename(path))
+      yield tmp
+      storage.upload(tmp, path)
+    return
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.tmp-")
@@ -95,12 +107,22 @@ def write_lines(path: str, rows: Iterable[Any]) -> int:
 
 
 @contextlib.contextmanager
-def staged_dir(out_dir: str) -> Iterator[str]:
+def staged_dir(out_dir: str, last: tuple[str, ...] = ()) -> Iterator[str]:
   """Yields a temporary sibling of `out_dir` to write into, renamed into place at the end.
 
   The directory appears complete or not at all: a failure removes the sibling. An existing
-  non-empty `out_dir` is refused (a UserError naming it) before anything is written.
+  non-empty `out_dir` is refused (a UserError naming it) before anything is written. For a
+  bucket URL the directory is local and uploaded at the end, the relative names in `last`
+  after every other file.
   """
+  if storage.is_remote(out_dir):
+    out_dir = storage.normalize(out_dir)
+    storage.check_bucket(out_dir)
+    if storage.walk_files(out_dir):
+      raise UserError(f"{out_dir}: exists and is not empty; choose a new output directory")
+    with storage.staged_upload(out_dir, last=last) as tmp:
+      yield tmp
+    return
   out_dir = os.path.abspath(out_dir)
   if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
     raise UserError(f"{out_dir}: exists and is not empty; choose a new output directory")

@@ -6,6 +6,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+pytest_plugins = ("buckets",)  # the bucket_env fixture: GCS and S3 emulators
+
 SHARED = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "shared"))
 T5X_FIXTURE = os.path.join(SHARED, "testdata", "t5x", "test_t5_tiny.checkpoint_0")
 

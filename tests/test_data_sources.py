@@ -3,6 +3,7 @@ import gzip
 import json
 import os
 import pickle
+import tempfile
 
 import numpy as np
 import pytest
@@ -39,14 +40,14 @@ def test_index_goes_to_cache_dir_when_directory_is_read_only(tmp_path, cache, mo
   d = tmp_path / "ro"
   d.mkdir()
   (d / "t.txt").write_text("one\ntwo\n")
-  real_mkstemp = files.tempfile.mkstemp
+  real_mkstemp = tempfile.mkstemp
 
   def mkstemp(dir=None, **kwargs):  # root ignores chmod, so refuse writes in `d` here
     if os.path.abspath(dir) == str(d):
       raise PermissionError(13, "Permission denied", dir)
     return real_mkstemp(dir=dir, **kwargs)
 
-  monkeypatch.setattr(files.tempfile, "mkstemp", mkstemp)
+  monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
   os.chmod(d, 0o555)
   try:
     src = sources.LineSource(str(d / "t.txt"))

@@ -21,7 +21,7 @@ LAYERS = [
     {"generation", "predict", "engine"},
     {"models", "opener"},
     {"nn", "data", "convert", "decoding", "losses", "presets", "precision", "provenance"},
-    {"sharding", "errors", "files", "metrics", "multihost", "host_memory"},
+    {"sharding", "errors", "files", "metrics", "multihost", "host_memory", "storage"},
 ]
 # (importer, imported) pairs allowed inside one layer.
 SAME_LAYER = {
@@ -29,7 +29,7 @@ SAME_LAYER = {
     ("convert", "data"), ("convert", "nn"), ("presets", "nn"), ("generation", "predict"),
     ("opener", "models"), ("nn", "sharding"), ("data", "metrics"), ("files", "errors"),
     ("metrics", "errors"), ("multihost", "errors"), ("sharding", "errors"),
-    ("precision", "multihost"),
+    ("precision", "multihost"), ("files", "storage"), ("storage", "errors"),
 }
 # Pairs that must never appear, whatever the layers say.
 FORBIDDEN = {("data", "convert")}

@@ -16,7 +16,6 @@ processes it starts) that is removed when it exits.
 """
 from __future__ import annotations
 
-import atexit
 import bisect
 import contextlib
 import errno
@@ -24,8 +23,6 @@ import glob
 import gzip
 import hashlib
 import os
-import shutil
-import tempfile
 import threading
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -34,55 +31,15 @@ from typing import Any
 import numpy as np
 
 from t5forge import files as t5files
+from t5forge import storage
 from t5forge.errors import UserError
 
 _CHUNK = 16 << 20  # bytes read per step while indexing: bounds the memory used
 
 
-_OFF = ("off", "none")
-# The temporary cache of T5FORGE_CACHE=off, named in the environment so that processes
-# started from this one (Grain's workers) reuse it instead of redoing the work.
-_TEMP_ENV = "T5FORGE_CACHE_TEMP"
-_temp_root: str | None = None
-_temp_lock = threading.Lock()
-
-
-def cache_enabled() -> bool:
-  """False when T5FORGE_CACHE is `off` or `none`: nothing is kept between runs."""
-  return os.environ.get("T5FORGE_CACHE", "").strip().lower() not in _OFF
-
-
-def cache_root() -> str:
-  """The cache dir: `$T5FORGE_CACHE`, else `$XDG_CACHE_HOME/t5forge`, else
-  `~/.cache/t5forge`; with T5FORGE_CACHE=off, a temporary directory removed at exit."""
-  value = os.environ.get("T5FORGE_CACHE", "").strip()
-  if value.lower() in _OFF:
-    return _temporary_root()
-  if value:
-    return os.path.expanduser(value)
-  xdg = os.environ.get("XDG_CACHE_HOME", "")
-  if os.path.isabs(xdg):  # the XDG spec: a relative path is invalid and ignored
-    return os.path.join(xdg, "t5forge")
-  return os.path.expanduser("~/.cache/t5forge")
-
-
-def _temporary_root() -> str:
-  global _temp_root
-  with _temp_lock:
-    if _temp_root is None or not os.path.isdir(_temp_root):
-      inherited = os.environ.get(_TEMP_ENV, "")
-      if inherited and os.path.isdir(inherited):
-        _temp_root = inherited  # the process that made it removes it
-      else:
-        _temp_root = tempfile.mkdtemp(prefix="t5forge-cache-")
-        os.environ[_TEMP_ENV] = _temp_root
-        atexit.register(_remove_temporary_root, _temp_root, os.getpid())
-    return _temp_root
-
-
-def _remove_temporary_root(path: str, owner: int) -> None:
-  if os.getpid() == owner:  # not in a forked child that happens to run atexit
-    shutil.rmtree(path, ignore_errors=True)
+# The cache directory and its T5FORGE_CACHE=off mode live with the rest of where bytes live.
+cache_enabled = storage.cache_enabled
+cache_root = storage.cache_root
 
 
 @contextlib.contextmanager

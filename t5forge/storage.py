@@ -1,0 +1,651 @@
+"""Where bytes live: local paths and `gs://` / `s3://` buckets, behind one set of calls.
+
+Every place that touches a user path (MODEL_DIR, checkpoints, INITIAL_CHECKPOINT_PATH,
+data, vocabularies, eval/infer outputs, convert/export outputs) goes through here or
+through `t5forge.files`, which uses it. A local path takes the plain `os` route; a bucket
+URL goes through fsspec (`gcsfs`, `s3fs`), which reads and writes objects, byte ranges
+and object metadata (generation / ETag) with the clouds' own credential chains. Orbax
+reads and writes checkpoints on `gs://` itself (TensorStore's GCS driver, pointed at the
+same endpoint as here); see `t5forge.train.checkpoint`.
+
+Buckets have no rename, so what is atomic on disk becomes a single-object write here: an
+object appears whole or not at all. Readers of random-access formats get one local copy per
+object version (`local_copy`), kept under the cache directory (T5FORGE_CACHE) and made
+again only when the object's generation / ETag changes.
+
+    storage.is_remote("gs://b/run")               # True
+    storage.join("s3://b/run", "config.gin")     # "s3://b/run/config.gin"
+    storage.write_bytes("gs://b/run/x.json", b"{}")
+    storage.local_copy("s3://b/data/train.tfrecord")   # a local file, cached per ETag
+
+Credentials and endpoints are the clouds' own: application-default credentials or
+GOOGLE_APPLICATION_CREDENTIALS for GCS, AWS_PROFILE / AWS_ACCESS_KEY_ID for S3;
+STORAGE_EMULATOR_HOST and AWS_ENDPOINT_URL point them at an emulator. The clients are an
+optional extra: `pip install 't5forge[gcs]'` or `'t5forge[s3]'`.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import glob as globlib
+import hashlib
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from t5forge.errors import UserError
+
+# scheme -> (fsspec package, extra that installs it)
+_CLIENTS = {"gs": ("gcsfs", "gcs"), "s3": ("s3fs", "s3")}
+# Schemes users write that we do not read; each is refused by name rather than taken for a
+# relative local directory called "hdfs:".
+_KNOWN_OTHER = ("hdfs", "az", "abfs", "abfss", "adl", "http", "https", "ftp", "sftp",
+                "file", "gcs", "s3a", "s3n", "oss", "r2", "hf")
+
+
+class StorageError(UserError):
+  """A bucket operation that failed for a reason a user can act on (one line)."""
+
+
+def scheme(path: str) -> str:
+  """'gs', 's3', or '' for a local path. An unknown `scheme://` is a UserError."""
+  path = os.fspath(path)
+  head, sep, _ = path.partition("://")
+  if not sep or "/" in head:
+    return ""
+  head = head.lower()
+  if head in _CLIENTS:
+    return head
+  if head == "file":
+    return ""
+  hint = " (write gs://)" if head == "gcs" else " (write s3://)" if head.startswith("s3") else ""
+  raise UserError(f"{path}: unknown storage scheme '{head}://'{hint}; t5forge reads and "
+                  "writes local paths, gs:// and s3://")
+
+
+def is_remote(path: str) -> bool:
+  """True for a `gs://` or `s3://` URL."""
+  return bool(scheme(path))
+
+
+def normalize(path: str) -> str:
+  """A local path made absolute (`~` expanded); a bucket URL without a trailing slash."""
+  path = os.fspath(path)
+  if path.startswith("file://"):
+    path = path[len("file://"):]
+  if is_remote(path):
+    s, _, rest = path.partition("://")
+    rest = "/".join(p for p in rest.split("/") if p)
+    return f"{s.lower()}://{rest}"
+  return os.path.abspath(os.path.expanduser(path))
+
+
+def split(url: str) -> tuple[str, str, str]:
+  """`gs://bucket/a/b` -> ('gs', 'bucket', 'a/b')."""
+  s = scheme(url)
+  if not s:
+    raise ValueError(f"{url}: not a bucket URL")
+  bucket, _, key = url.partition("://")[2].partition("/")
+  return s, bucket, key.strip("/")
+
+
+def join(base: str, *parts: str) -> str:
+  """`os.path.join` for local paths; '/'-joining for bucket URLs."""
+  if not is_remote(base):
+    return os.path.join(base, *parts)
+  out = base.rstrip("/")
+  for p in parts:
+    if p:
+      out = out + "/" + p.strip("/")
+  return out
+
+
+def dirname(path: str) -> str:
+  if not is_remote(path):
+    return os.path.dirname(path)
+  s, bucket, key = split(path)
+  return f"{s}://{bucket}/{key.rpartition('/')[0]}".rstrip("/")
+
+
+def basename(path: str) -> str:
+  return path.rstrip("/").rpartition("/")[2] if is_remote(path) else os.path.basename(path)
+
+
+# ---------------------------------------------------------------------------- clients
+
+_fs_lock = threading.Lock()
+_filesystems: dict[tuple, Any] = {}
+
+
+def emulator(s: str) -> str | None:
+  """The emulator endpoint the environment names for scheme `s`, or None."""
+  if s == "gs":
+    host = os.environ.get("STORAGE_EMULATOR_HOST", "").strip()
+    if host and not host.startswith("http"):
+      host = "http://" + host
+    return host or None
+  return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
+def configure_tensorstore() -> None:
+  """Points TensorStore's GCS driver (Orbax's array I/O) at STORAGE_EMULATOR_HOST too."""
+  host = emulator("gs")
+  if host:
+    os.environ.setdefault("TENSORSTORE_GCS_HTTP_URL", host)
+
+
+def _check_credentials(s: str, url: str) -> None:
+  if emulator(s):
+    return
+  if s == "gs":
+    import google.auth  # noqa: PLC0415 (the [gcs] extra installs it with gcsfs)
+    from google.auth import exceptions as gexc  # noqa: PLC0415
+    try:
+      google.auth.default()
+    except gexc.DefaultCredentialsError as e:
+      first = str(e).splitlines()[0] if str(e) else type(e).__name__
+      raise StorageError(
+          f"{url}: no Google Cloud credentials ({first[:160]}); set "
+          "GOOGLE_APPLICATION_CREDENTIALS to a service-account key file or run "
+          "`gcloud auth application-default login` (STORAGE_EMULATOR_HOST for an "
+          "emulator)") from None
+  else:
+    import botocore.session  # noqa: PLC0415 (the [s3] extra installs it with s3fs)
+    if botocore.session.get_session().get_credentials() is None:
+      raise StorageError(
+          f"{url}: no AWS credentials; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
+          "AWS_PROFILE (AWS_ENDPOINT_URL for an emulator or another S3 service)")
+
+
+def filesystem(path: str):
+  """The fsspec filesystem for `path`'s scheme, made once per process and endpoint."""
+  s = scheme(path)
+  key = (s, emulator(s), os.getpid())
+  with _fs_lock:
+    fs = _filesystems.get(key)
+    if fs is not None:
+      return fs
+    package, extra = _CLIENTS[s]
+    if s == "gs":
+      # gcsfs's hierarchical-namespace probe speaks gRPC to the endpoint and waits a minute
+      # on anything that is not Google itself (an emulator, a proxy).
+      os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    try:
+      module = __import__(package)
+    except ImportError:
+      raise StorageError(f"{path}: {s}:// paths need the {package} package; install it with "
+                         f"pip install 't5forge[{extra}]'") from None
+    _check_credentials(s, path)
+    if s == "gs":
+      fs = module.GCSFileSystem(token="anon" if emulator(s) else None,
+                                skip_instance_cache=True)
+    else:
+      fs = module.S3FileSystem(skip_instance_cache=True)
+    _filesystems[key] = fs
+    return fs
+
+
+def reset_clients() -> None:
+  """Forgets the clients made so far (after the environment's endpoint or credentials
+  change within one process)."""
+  with _fs_lock:
+    _filesystems.clear()
+    _checked_buckets.clear()
+
+
+def _fs_path(url: str) -> str:
+  return url.partition("://")[2]
+
+
+# ---------------------------------------------------------------------- errors, retry
+
+def _retries() -> int:
+  try:
+    return max(1, int(os.environ.get("T5FORGE_STORAGE_RETRIES", "4")))
+  except ValueError:
+    raise UserError("T5FORGE_STORAGE_RETRIES: expected a whole number of tries, e.g. 4")
+
+
+def _is_transient(e: BaseException) -> bool:
+  if isinstance(e, (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError,
+                    NotADirectoryError, UserError)):
+    return False
+  name = type(e).__name__
+  if name in ("ClientConnectorError", "ServerDisconnectedError", "ClientOSError",
+              "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
+              "ConnectionClosedError", "ClientPayloadError", "TimeoutError"):
+    return True
+  if isinstance(e, (ConnectionError, TimeoutError)):
+    return True
+  text = str(e).lower()
+  return any(w in text for w in ("connect", "timed out", "timeout", "503", "502", "500 ",
+                                 "reset by peer", "service unavailable", "slowdown"))
+
+
+def _describe_error(e: BaseException) -> str:
+  text = " ".join(str(e).split()) or type(e).__name__
+  return text[:200]
+
+
+def _user_error(url: str, op: str, e: BaseException) -> Exception:
+  s, bucket, _ = split(url)
+  text = str(e)
+  low = text.lower()
+  if "nosuchbucket" in low or "bucket does not exist" in low or (
+      "not found" in low and "bucket" in low) or "the specified bucket" in low:
+    return StorageError(f"{s}://{bucket}: the bucket does not exist; create it or fix the "
+                        f"name in {url}")
+  if any(w in low for w in ("accessdenied", "access denied", "forbidden", "403",
+                            "invalidaccesskeyid", "signaturedoesnotmatch", "401",
+                            "permission")):
+    var = ("GOOGLE_APPLICATION_CREDENTIALS" if s == "gs"
+           else "AWS_PROFILE or AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
+    return StorageError(f"{url}: {op} refused ({_describe_error(e)}); check the credentials "
+                        f"in {var}")
+  if "nocredentials" in type(e).__name__.lower() or "unable to locate credentials" in low:
+    return StorageError(f"{url}: no AWS credentials; set AWS_ACCESS_KEY_ID and "
+                        "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE")
+  return e
+
+
+def call(url: str, op: str, fn: Callable[[], Any]) -> Any:
+  """`fn()` for the object `url`, retried with backoff on network errors; a failure a user
+  can act on (no bucket, refused credentials, the network gone after every try) becomes a
+  one-line StorageError naming `url`."""
+  tries = _retries()
+  delay = 0.5
+  for attempt in range(tries):
+    try:
+      return fn()
+    except FileNotFoundError as e:
+      mapped = _user_error(url, op, e)
+      if mapped is not e:
+        raise mapped from None
+      raise
+    except UserError:
+      raise
+    except Exception as e:  # classified below, re-raised when not ours
+      if _is_transient(e) and attempt + 1 < tries:
+        time.sleep(delay)
+        delay = min(delay * 2, 8.0)
+        continue
+      if _is_transient(e):
+        raise StorageError(f"{url}: {op} failed after {tries} tries ({_describe_error(e)}); "
+                           "check the network, or the endpoint in "
+                           f"{'STORAGE_EMULATOR_HOST' if split(url)[0] == 'gs' else 'AWS_ENDPOINT_URL'}"
+                           ) from None
+      mapped = _user_error(url, op, e)
+      if mapped is not e:
+        raise mapped from None
+      raise
+
+
+# --------------------------------------------------------------------- path queries
+
+def exists(path: str) -> bool:
+  if not is_remote(path):
+    return os.path.exists(path)
+  fs = filesystem(path)
+  return bool(call(path, "stat", lambda: fs.exists(_fs_path(path))))
+
+
+def isdir(path: str) -> bool:
+  if not is_remote(path):
+    return os.path.isdir(path)
+  fs = filesystem(path)
+  _, _, key = split(path)
+  if not key:
+    return bool(call(path, "stat", lambda: fs.exists(_fs_path(path))))
+  fs.invalidate_cache(_fs_path(path))
+  return bool(call(path, "list", lambda: fs.isdir(_fs_path(path))))
+
+
+def isfile(path: str) -> bool:
+  if not is_remote(path):
+    return os.path.isfile(path)
+  fs = filesystem(path)
+  fs.invalidate_cache(_fs_path(path))
+  return bool(call(path, "stat", lambda: fs.isfile(_fs_path(path))))
+
+
+def listdir(path: str) -> list[str]:
+  """Names directly under `path` (files and 'directories'), sorted; [] when there are none."""
+  if not is_remote(path):
+    return sorted(os.listdir(path))
+  fs = filesystem(path)
+  p = _fs_path(path).rstrip("/")
+  fs.invalidate_cache(p)
+  try:
+    entries = call(path, "list", lambda: fs.ls(p, detail=False))
+  except FileNotFoundError:
+    return []
+  names = {e.rstrip("/").rpartition("/")[2] for e in entries}
+  names.discard("")
+  return sorted(names)
+
+
+def walk_files(path: str) -> dict[str, dict]:
+  """Every object under the prefix `path` -> its info (size, version), keyed by the path
+  relative to `path` ('/'-separated). Local directories are walked the same way."""
+  if not is_remote(path):
+    out = {}
+    for root, _, files in os.walk(path):
+      for name in files:
+        full = os.path.join(root, name)
+        st = os.stat(full)
+        out[os.path.relpath(full, path).replace(os.sep, "/")] = {
+            "size": st.st_size, "version": f"{st.st_mtime_ns}-{st.st_size}"}
+    return out
+  fs = filesystem(path)
+  p = _fs_path(path).rstrip("/")
+  fs.invalidate_cache(p)
+  try:
+    found = call(path, "list", lambda: fs.find(p, detail=True))
+  except FileNotFoundError:
+    return {}
+  out = {}
+  for name, entry in found.items():
+    if entry.get("type") == "directory" or name.rstrip("/") == p:
+      continue
+    out[name[len(p) + 1:]] = {"size": int(entry.get("size") or 0),
+                              "version": _version_of(entry)}
+  return out
+
+
+def _version_of(entry: dict) -> str:
+  for k in ("generation", "ETag", "etag", "VersionId"):
+    v = entry.get(k)
+    if v:
+      return str(v).strip('"')
+  return f"{entry.get('size')}-{entry.get('LastModified') or entry.get('updated')}"
+
+
+def info(path: str) -> dict:
+  """{'size', 'version', 'mtime'} of one file or object; FileNotFoundError when absent.
+  `version` is the GCS generation, the S3 ETag, or mtime+size on disk; `mtime` is seconds
+  since the epoch (the server's clock for an object)."""
+  if not is_remote(path):
+    st = os.stat(path)
+    return {"size": st.st_size, "version": f"{st.st_mtime_ns}-{st.st_size}",
+            "mtime": st.st_mtime}
+  fs = filesystem(path)
+  fs.invalidate_cache(_fs_path(path))
+  entry = call(path, "stat", lambda: fs.info(_fs_path(path)))
+  if entry.get("type") == "directory":
+    raise IsADirectoryError(path)
+  when = entry.get("updated") or entry.get("LastModified") or entry.get("mtime")
+  if isinstance(when, str):
+    when = datetime.datetime.fromisoformat(when.replace("Z", "+00:00"))
+  mtime = when.timestamp() if hasattr(when, "timestamp") else time.time()
+  return {"size": int(entry.get("size") or 0), "version": _version_of(entry), "mtime": mtime}
+
+
+def glob(pattern: str) -> list[str]:
+  """Sorted matches of a glob pattern; bucket matches come back as full URLs."""
+  if not is_remote(pattern):
+    return sorted(globlib.glob(os.path.expanduser(pattern)))
+  s = scheme(pattern)
+  fs = filesystem(pattern)
+  fs.invalidate_cache()
+  found = call(pattern, "list", lambda: fs.glob(_fs_path(pattern)))
+  return sorted(f"{s}://{f}" for f in found)
+
+
+# -------------------------------------------------------------------- reads, writes
+
+def read_bytes(path: str) -> bytes:
+  if not is_remote(path):
+    with open(path, "rb") as f:
+      return f.read()
+  fs = filesystem(path)
+  return call(path, "read", lambda: fs.cat_file(_fs_path(path)))
+
+
+def read_text(path: str) -> str:
+  return read_bytes(path).decode("utf-8")
+
+
+def read_range(path: str, offset: int, size: int) -> bytes:
+  """`size` bytes of `path` from `offset` (one ranged GET on a bucket)."""
+  if not is_remote(path):
+    with open(path, "rb") as f:
+      f.seek(offset)
+      return f.read(size)
+  fs = filesystem(path)
+  return call(path, "read", lambda: fs.cat_file(_fs_path(path), start=offset,
+                                                end=offset + size))
+
+
+def open_read(path: str, binary: bool = True):
+  """A file object for reading; on a bucket it reads in blocks by byte range."""
+  if not is_remote(path):
+    return open(path, "rb") if binary else open(path, encoding="utf-8")
+  fs = filesystem(path)
+  return call(path, "open", lambda: fs.open(_fs_path(path), "rb" if binary else "rt",
+                                            **({} if binary else {"encoding": "utf-8"})))
+
+
+def write_bytes(path: str, data: bytes, *, exclusive: bool = False) -> None:
+  """`data` as the object `path`, in one request (a reader sees all of it or the old one).
+
+  `exclusive=True` creates it only if absent (GCS `ifGenerationMatch=0`, S3
+  `If-None-Match: *`) and raises FileExistsError otherwise. Local paths are not handled
+  here (`t5forge.files` writes those through a temp file and a rename).
+  """
+  fs = filesystem(path)
+  kwargs = {"mode": "create"} if exclusive else {}
+
+  def put():
+    try:
+      fs.pipe_file(_fs_path(path), data, **kwargs)
+    except Exception as e:
+      low = str(e).lower()
+      if exclusive and ("precondition" in low or "412" in low or "conditionalrequest" in low):
+        raise FileExistsError(path) from None
+      raise
+    fs.invalidate_cache(_fs_path(path))
+
+  call(path, "write", put)
+
+
+def upload(local: str, url: str) -> None:
+  """The local file `local` as the object `url` (one object, whole or absent)."""
+  fs = filesystem(url)
+
+  def put():
+    fs.put_file(local, _fs_path(url))
+    fs.invalidate_cache(_fs_path(url))
+
+  call(url, "write", put)
+
+
+def upload_tree(local_dir: str, url: str, *, last: tuple[str, ...] = ()) -> None:
+  """Every file under `local_dir` to the prefix `url`; the relative names in `last` are
+  written after all others (the file a reader takes as the mark of a complete copy)."""
+  names = sorted(walk_files(local_dir))
+  ordered = [n for n in names if n not in last] + [n for n in last if n in names]
+  for name in ordered:
+    upload(os.path.join(local_dir, name), join(url, name))
+
+
+def download(url: str, local: str) -> None:
+  """The object `url` into the local file `local` (through a temp file and a rename)."""
+  fs = filesystem(url)
+  os.makedirs(os.path.dirname(local) or ".", exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(local) or ".", prefix=".download-")
+  os.close(fd)
+  try:
+    call(url, "read", lambda: fs.get_file(_fs_path(url), tmp))
+    os.replace(tmp, local)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.unlink(tmp)
+    raise
+
+
+def remove(path: str) -> None:
+  """Deletes a file or object; absent is fine."""
+  if not is_remote(path):
+    with contextlib.suppress(FileNotFoundError):
+      os.unlink(path)
+    return
+  fs = filesystem(path)
+  with contextlib.suppress(FileNotFoundError):
+    call(path, "delete", lambda: fs.rm_file(_fs_path(path)))
+  fs.invalidate_cache(_fs_path(path))
+
+
+def rmtree(path: str) -> None:
+  """Deletes a directory or every object under a prefix; absent is fine."""
+  if not is_remote(path):
+    shutil.rmtree(path, ignore_errors=True)
+    return
+  for name in walk_files(path):
+    remove(join(path, name))
+
+
+def makedirs(path: str) -> None:
+  """Creates a local directory (and parents). A bucket has no directories: for a bucket URL
+  this checks that the bucket exists, the first mistake a user makes with one."""
+  if not is_remote(path):
+    os.makedirs(path, exist_ok=True)
+    return
+  check_bucket(path)
+
+
+_checked_buckets: set[tuple[str, str]] = set()
+
+
+def check_bucket(url: str) -> None:
+  """A StorageError naming the bucket when it does not exist or cannot be listed."""
+  s, bucket, _ = split(url)
+  if (s, bucket) in _checked_buckets:
+    return
+  fs = filesystem(url)
+  fs.invalidate_cache(bucket)
+  try:
+    call(url, "list", lambda: fs.ls(bucket, detail=False))
+  except FileNotFoundError:
+    raise StorageError(f"{s}://{bucket}: the bucket does not exist; create it or fix the "
+                       f"name in {url}") from None
+  _checked_buckets.add((s, bucket))
+
+
+def copy_tree(src: str, dst: str) -> None:
+  """Copies every file under `src` to `dst`; either or both may be buckets."""
+  for name in sorted(walk_files(src)):
+    s, d = join(src, name), join(dst, name)
+    if is_remote(d):
+      if is_remote(s):
+        write_bytes(d, read_bytes(s))
+      else:
+        upload(s, d)
+    elif is_remote(s):
+      download(s, d)
+    else:
+      os.makedirs(os.path.dirname(d), exist_ok=True)
+      shutil.copy2(s, d)
+
+
+# ------------------------------------------------------------------ the local cache
+
+_OFF = ("off", "none")
+# The temporary cache of T5FORGE_CACHE=off, named in the environment so that processes
+# started from this one (Grain's workers) reuse it instead of redoing the work.
+_TEMP_ENV = "T5FORGE_CACHE_TEMP"
+_temp_root: str | None = None
+_temp_lock = threading.Lock()
+
+
+def cache_enabled() -> bool:
+  """False when T5FORGE_CACHE is `off` or `none`: nothing is kept between runs."""
+  return os.environ.get("T5FORGE_CACHE", "").strip().lower() not in _OFF
+
+
+def cache_root() -> str:
+  """The cache dir: `$T5FORGE_CACHE`, else `$XDG_CACHE_HOME/t5forge`, else
+  `~/.cache/t5forge`; with T5FORGE_CACHE=off, a temporary directory removed at exit."""
+  value = os.environ.get("T5FORGE_CACHE", "").strip()
+  if value.lower() in _OFF:
+    return _temporary_root()
+  if value:
+    return os.path.expanduser(value)
+  xdg = os.environ.get("XDG_CACHE_HOME", "")
+  if os.path.isabs(xdg):  # the XDG spec: a relative path is invalid and ignored
+    return os.path.join(xdg, "t5forge")
+  return os.path.expanduser("~/.cache/t5forge")
+
+
+def _temporary_root() -> str:
+  global _temp_root
+  with _temp_lock:
+    if _temp_root is None or not os.path.isdir(_temp_root):
+      inherited = os.environ.get(_TEMP_ENV, "")
+      if inherited and os.path.isdir(inherited):
+        _temp_root = inherited  # the process that made it removes it
+      else:
+        _temp_root = tempfile.mkdtemp(prefix="t5forge-cache-")
+        os.environ[_TEMP_ENV] = _temp_root
+        atexit.register(_remove_temporary_root, _temp_root, os.getpid())
+    return _temp_root
+
+
+def _remove_temporary_root(path: str, owner: int) -> None:
+  if os.getpid() == owner:  # not in a forked child that happens to run atexit
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _cache_dir(url: str, version: str) -> str:
+  s, bucket, key = split(url)
+  digest = hashlib.sha256(f"{url}\0{version}".encode()).hexdigest()[:16]
+  return os.path.join(cache_root(), "buckets", s, bucket, key.replace("/", "_")[-80:] + "-" + digest)
+
+
+def local_copy(path: str) -> str:
+  """A local path holding what `path` holds: `path` itself when local; for a bucket object
+  or prefix, a copy under the cache, made once per object version (generation / ETag) and
+  reused until the object changes. Directories are copied file by file."""
+  if not is_remote(path):
+    return path
+  path = normalize(path)
+  try:
+    entry = info(path)
+    files = None
+  except (FileNotFoundError, IsADirectoryError):
+    files = walk_files(path)
+    if not files:
+      raise FileNotFoundError(path) from None
+  if files is None:
+    target_dir = _cache_dir(path, entry["version"])
+    target = os.path.join(target_dir, basename(path))
+    if not os.path.exists(target):
+      download(path, target)
+    return target
+  listing = "\n".join(f"{n}\0{f['version']}" for n, f in sorted(files.items()))
+  target = _cache_dir(path, hashlib.sha256(listing.encode()).hexdigest())
+  done = os.path.join(target, ".t5forge-complete")
+  if not os.path.exists(done):
+    for name in sorted(files):
+      local = os.path.join(target, *name.split("/"))
+      if not os.path.exists(local):
+        download(join(path, name), local)
+    with open(done, "w") as f:
+      f.write(listing)
+  return target
+
+
+@contextlib.contextmanager
+def staged_upload(url: str, *, last: tuple[str, ...] = ()) -> Iterator[str]:
+  """A local temporary directory to write into; on success its files go to the prefix
+  `url` (those named in `last` after all the rest) and the directory is removed."""
+  tmp = tempfile.mkdtemp(prefix="t5forge-upload-")
+  try:
+    yield tmp
+    upload_tree(tmp, url, last=last)
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
