@@ -11,11 +11,19 @@ ready); it is ready when it prints its one `ready at URL` line, which `t5forge s
 once /health would answer 200. Everything it prints is kept (`.output()`, and a log file if
 asked) and shown when it fails to become ready.
 
+`Emulator` runs a GCS (`gcp-storage-emulator`) or S3 (`moto[server]`) emulator on
+127.0.0.1 for the bucket tests and the storage benchmark; both are in the test extras.
+
+    with testing.emulator("gs", "/tmp/emu") as gcs:
+      url = gcs.make_bucket("runs")                 # gs://runs
+      subprocess.run([...], env={**os.environ, **gcs.env()})
+
 This module imports only the standard library at module level (never pytest, torch or
 transformers); building a checkpoint imports t5forge's models when called.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -230,3 +238,113 @@ def wait_for(predicate, timeout: float = 30, what: str = "condition") -> None:
     if time.time() >= deadline:
       raise TimeoutError(f"timed out waiting for {what}")
     time.sleep(0.05)
+
+
+# ------------------------------------------------------------ storage emulators
+
+def _wait_answer(url: str, proc: subprocess.Popen, log: str, timeout: float = 30.0) -> None:
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    if proc.poll() is not None:
+      raise RuntimeError(f"emulator exited ({proc.returncode}): {open(log).read()[-2000:]}")
+    try:
+      urllib.request.urlopen(url, timeout=1)
+      return
+    except urllib.error.HTTPError:
+      return  # it answers
+    except OSError:
+      time.sleep(0.2)
+  raise RuntimeError(f"emulator did not answer on {url}: {open(log).read()[-2000:]}")
+
+
+class Emulator:
+  """One emulator process. `scheme` is 'gs' or 's3'; `root` keeps its data (GCS) and log."""
+
+  def __init__(self, scheme: str, root: str):
+    self.scheme = scheme
+    self.root = str(root)
+    os.makedirs(self.root, exist_ok=True)
+    self.port = free_port()
+    self.proc: subprocess.Popen | None = None
+    self.log = os.path.join(self.root, f"{scheme}-emulator.log")
+
+  @property
+  def endpoint(self) -> str:
+    return f"http://127.0.0.1:{self.port}"
+
+  def env(self) -> dict[str, str]:
+    """Variables that point t5forge (and the cloud clients) at this emulator."""
+    if self.scheme == "gs":
+      return {"STORAGE_EMULATOR_HOST": self.endpoint,
+              "TENSORSTORE_GCS_HTTP_URL": self.endpoint,
+              "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+              "GOOGLE_CLOUD_PROJECT": "t5forge-test"}
+    return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_EC2_METADATA_DISABLED": "true"}
+
+  def start(self) -> None:
+    if self.scheme == "gs":
+      cmd = [os.path.join(os.path.dirname(sys.executable), "gcp-storage-emulator"), "-d", os.path.join(self.root, "gcs-data"),
+             "start", "--host=127.0.0.1",
+             f"--port={self.port}"]
+      probe = f"{self.endpoint}/storage/v1/b"
+    else:
+      # moto keeps its buckets in memory only; `stop()` + `start()` of an S3 emulator
+      # loses them, so outage tests on S3 use `pause()` / `resume()` instead.
+      cmd = [os.path.join(os.path.dirname(sys.executable), "moto_server"), "-H", "127.0.0.1", "-p", str(self.port)]
+      probe = f"{self.endpoint}/moto-api/"
+    with open(self.log, "a") as log:
+      self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    _wait_answer(probe, self.proc, self.log)
+
+  def stop(self) -> None:
+    """Kills the emulator (SIGKILL): every request after this fails to connect."""
+    if self.proc and self.proc.poll() is None:
+      os.killpg(self.proc.pid, signal.SIGKILL)
+      self.proc.wait()
+    self.proc = None
+
+  def pause(self) -> None:
+    """Stops the emulator answering (SIGSTOP) while keeping its state."""
+    os.killpg(self.proc.pid, signal.SIGSTOP)
+
+  def resume(self) -> None:
+    os.killpg(self.proc.pid, signal.SIGCONT)
+
+  def make_bucket(self, name: str) -> str:
+    """Creates bucket `name`; returns its URL (`gs://name` / `s3://name`)."""
+    with _environ(self.env()):
+      if self.scheme == "gs":
+        from google.cloud import storage as gcs  # noqa: PLC0415 (the test extras' client)
+        gcs.Client(project="t5forge-test").create_bucket(name)
+      else:
+        import boto3  # noqa: PLC0415
+        boto3.client("s3").create_bucket(Bucket=name)
+    return f"{self.scheme}://{name}"
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]):
+  old = {k: os.environ.get(k) for k in values}
+  os.environ.update(values)
+  try:
+    yield
+  finally:
+    for k, v in old.items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v
+
+
+@contextlib.contextmanager
+def emulator(scheme: str, root: str):
+  """A started emulator, killed on exit."""
+  emu = Emulator(scheme, root)
+  emu.start()
+  try:
+    yield emu
+  finally:
+    emu.stop()
