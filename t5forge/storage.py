@@ -649,3 +649,35 @@ def staged_upload(url: str, *, last: tuple[str, ...] = ()) -> Iterator[str]:
     upload_tree(tmp, url, last=last)
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ------------------------------------------------------------- checkpoints (manifest)
+
+def object_checksums(path: str) -> dict[str, dict]:
+  """`walk_files` of a bucket prefix with each object's server-side content hash where
+  the listing carries one ('md5': GCS `md5Hash`, base64), from the same single listing:
+  what a checkpoint manifest on a bucket records and checks without reading objects."""
+  fs = filesystem(path)
+  p = _fs_path(path).rstrip("/")
+  fs.invalidate_cache(p)
+  try:
+    found = call(path, "list", lambda: fs.find(p, detail=True))
+  except FileNotFoundError:
+    return {}
+  out = {}
+  for name, entry in found.items():
+    if entry.get("type") == "directory" or name.rstrip("/") == p:
+      continue
+    out[name[len(p) + 1:]] = {"size": int(entry.get("size") or 0),
+                              "version": _version_of(entry),
+                              "md5": entry.get("md5Hash") or None}
+  return out
+
+
+def forget_shared_listings(path: str) -> None:
+  """Forgets the listings cached by the client of `path`'s scheme, which Orbax (through etils epath)
+  lists a `gs://` MODEL_DIR with: its cached listings would still show objects deleted
+  here (and Orbax then fails to delete them again). Ours are not shared."""
+  if is_remote(path):
+    from etils import epath  # noqa: PLC0415 (Orbax's path layer, installed with it)
+    epath.backend.fsspec_backend.fs(path).invalidate_cache()

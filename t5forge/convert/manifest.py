@@ -14,6 +14,23 @@ the checkpoint: a `checkpoint_<step>` directory has its manifest or was damaged 
 Checkpoints record in their config item that they carry one (`EXPECTED`); one without
 that key was written before manifests existed and is read unverified, with a note.
 
+On a bucket (`gs://`, where Orbax writes the checkpoint in place and renames nothing) the
+manifest is written last, after every other object, and is the commit marker: a
+`checkpoint_<step>` prefix without it is not a checkpoint. It records what the bucket's
+listing already says of each object instead of a hash computed by reading it back:
+
+    {"format": 1, "hash": "object",
+     "files": {"params/ocdbt.process_0/d/40f8...": {"size": 3914635, "md5": "Ypf2...",
+                                                   "version": "1796346957765516390"}, ...}}
+
+`md5` is the object's content hash as the server computed it (GCS `md5Hash`), `version`
+its generation; a flipped byte means a rewritten object, so a new md5 and a new
+generation, found by one listing of the checkpoint on restore without downloading it.
+With `md5` on both sides it is what is compared (a copy of the checkpoint to another
+bucket keeps it); else the version. A checkpoint staged locally and uploaded (`s3://`)
+carries the sha256 manifest of a local one and is verified on its local copy
+(`storage.local_copy`, which a restore reads anyway).
+
 Cost: sha256 runs at ~1.6 GB/s per core on a CPU with SHA extensions (AMD EPYC here),
 so the ~300 MB of a flan-t5-small checkpoint with its optimizer state takes ~0.2 s to
 hash, in Orbax's background thread when saves are asynchronous.
@@ -25,9 +42,11 @@ import json
 import os
 
 from t5forge import files as t5files
+from t5forge import storage
 from t5forge.errors import UserError
 
 MANIFEST = "t5forge_manifest.json"
+OBJECT = "object"  # the "hash" of a bucket manifest: the listing's md5 / generation
 EXPECTED = "checksums"  # config-item key: {"checksums": MANIFEST} in checkpoints that have one
 HASH = "sha256"
 ORBAX_METADATA = "_CHECKPOINT_METADATA"
@@ -65,9 +84,13 @@ def _digest(path: str, hash_name: str = HASH) -> str:
   return _DIGESTS[key]
 
 
-def _files(directory: str) -> list[str]:
+def _unlisted() -> set[str]:
   # Orbax writes these two after the manifest (commit time, commit marker): not hashed.
-  unlisted = {ORBAX_METADATA, _orbax_paths().COMMIT_SUCCESS_FILE, MANIFEST}
+  return {ORBAX_METADATA, _orbax_paths().COMMIT_SUCCESS_FILE, MANIFEST}
+
+
+def _files(directory: str) -> list[str]:
+  unlisted = _unlisted()
   out = []
   for root, dirs, names in os.walk(directory):
     dirs.sort()
@@ -76,6 +99,21 @@ def _files(directory: str) -> list[str]:
       if rel not in unlisted and not rel.startswith(f".{MANIFEST}.tmp-"):  # a write cut short
         out.append(rel)
   return out
+
+
+def write_objects(directory: str, extra_files: dict[str, str] | None = None) -> None:
+  """The manifest of a checkpoint Orbax wrote in place under the bucket prefix
+  `directory`, from one listing (see the module doc), after writing `extra_files`
+  ({name: text}) there; the manifest is the last object written, its commit marker."""
+  for name, text in (extra_files or {}).items():
+    storage.write_bytes(storage.join(directory, name), text.encode("utf-8"))
+  unlisted = _unlisted()
+  files = {rel: {"size": o["size"], **({"md5": o["md5"]} if o.get("md5") else {}),
+                 "version": o["version"]}
+           for rel, o in sorted(storage.object_checksums(directory).items())
+           if rel not in unlisted}
+  data = json.dumps({"format": 1, "hash": OBJECT, "files": files}, indent=1, sort_keys=True)
+  storage.write_bytes(storage.join(directory, MANIFEST), (data + "\n").encode("utf-8"))
 
 
 def write(directory: str) -> None:
@@ -117,8 +155,54 @@ def _expects_manifest(directory: str) -> bool:
     return False
 
 
+def _damage(directory: str, problems: list[str]) -> None:
+  if problems:
+    more = f" (and {len(problems) - 1} more damaged file(s))" if len(problems) > 1 else ""
+    raise CheckpointDamaged(directory, problems[0] + more)
+
+
+def _verify_objects(directory: str) -> None:
+  """`verify` of a checkpoint under a bucket prefix, from one listing of it."""
+  try:
+    recorded = json.loads(storage.read_bytes(storage.join(directory, MANIFEST)))
+    files = recorded["files"]
+    if not isinstance(files, dict):
+      raise TypeError(f"'files' is a {type(files).__name__}")
+  except FileNotFoundError:
+    raise CheckpointDamaged(directory, f"{MANIFEST} (its commit marker) is missing") from None
+  except (ValueError, KeyError, TypeError) as e:
+    raise CheckpointDamaged(directory, f"{MANIFEST} is unreadable ({type(e).__name__})") from None
+  have = storage.object_checksums(directory)
+  problems = []
+  for rel, want in sorted(files.items()):
+    got = have.get(rel)
+    try:
+      saved_size = int(want["size"])
+    except (KeyError, TypeError, ValueError):
+      problems.append(f"{MANIFEST}: the entry of {rel} is unreadable")
+      continue
+    if got is None:
+      problems.append(f"{rel} is missing")
+    elif got["size"] != saved_size:
+      problems.append(f"{rel} has {got['size']:,} bytes, {saved_size:,} were saved "
+                      f"({'truncated' if got['size'] < saved_size else 'grown'})")
+    elif want.get("md5") and got.get("md5"):
+      if want["md5"] != got["md5"]:
+        problems.append(f"{rel} changed after it was saved (same size, md5 mismatch)")
+    elif str(want.get("version")) != got["version"]:
+      problems.append(f"{rel} was rewritten after it was saved (same size, another "
+                      "object version)")
+  if ORBAX_METADATA not in have:
+    problems.append(f"{ORBAX_METADATA} (Orbax's) is missing")
+  _damage(directory, problems)
+
+
 def verify(directory: str) -> str | None:
   """Checks a committed checkpoint's files against its manifest.
+
+  `directory` may be a bucket URL: a checkpoint Orbax wrote there in place is checked
+  by one listing (`write_objects`); one uploaded from a local staging copy on the local
+  copy a restore reads (`storage.local_copy`, one download per object version).
 
   Returns:
     None when every file matches; a note when the checkpoint predates manifests (its
@@ -128,6 +212,18 @@ def verify(directory: str) -> str | None:
     CheckpointDamaged: one line naming the checkpoint, the first damaged file and what is
       wrong with it (missing, other size, other content), and how many more there are.
   """
+  if storage.is_remote(directory):
+    head = storage.read_range(storage.join(directory, MANIFEST), 0, 4096) if (
+        storage.isfile(storage.join(directory, MANIFEST))) else b""
+    if not head or f'"hash": "{OBJECT}"'.encode() in head:
+      _verify_objects(directory)
+      return None
+    return _verify_files(storage.local_copy(directory), shown=directory)
+  return _verify_files(directory, shown=directory)
+
+
+def _verify_files(directory: str, *, shown: str) -> str | None:
+  """`verify` of the local directory `directory`; messages name it `shown`."""
   problems = []
   try:
     with open(os.path.join(directory, MANIFEST), encoding="utf-8") as f:
@@ -138,12 +234,12 @@ def verify(directory: str) -> str | None:
       raise TypeError(f"'files' is a {type(files).__name__}")
   except FileNotFoundError:
     if _expects_manifest(directory):
-      raise CheckpointDamaged(directory, f"{MANIFEST} (its checksums, written with it) is "
+      raise CheckpointDamaged(shown, f"{MANIFEST} (its checksums, written with it) is "
                               "missing") from None
-    return (f"{directory} has no {MANIFEST} (written by an earlier t5forge): its files "
+    return (f"{shown} has no {MANIFEST} (written by an earlier t5forge): its files "
             "are not verified")
   except (OSError, ValueError, KeyError, TypeError) as e:
-    raise CheckpointDamaged(directory, f"{MANIFEST} is unreadable ({type(e).__name__})") from None
+    raise CheckpointDamaged(shown, f"{MANIFEST} is unreadable ({type(e).__name__})") from None
   for rel, want in sorted(files.items()):
     path = os.path.join(directory, rel)
     try:
@@ -168,9 +264,7 @@ def verify(directory: str) -> str | None:
     problems.append(f"{ORBAX_METADATA} (Orbax's) is missing")
   except (OSError, ValueError):
     problems.append(f"{ORBAX_METADATA} (Orbax's) is not valid JSON")
-  if problems:
-    more = f" (and {len(problems) - 1} more damaged file(s))" if len(problems) > 1 else ""
-    raise CheckpointDamaged(directory, problems[0] + more)
+  _damage(shown, problems)
   return None
 
 

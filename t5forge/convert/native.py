@@ -30,6 +30,7 @@ import sys
 import jax
 import numpy as np
 
+from t5forge import storage
 from t5forge.convert import manifest
 from t5forge.errors import UserError
 from t5forge.nn import abstract_params as _abstract
@@ -42,18 +43,28 @@ _STEP_DIR = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
 
 
 def step_dir(model_dir: str, step: int) -> str:
-  """MODEL_DIR/checkpoint_<step>."""
-  return os.path.join(model_dir, f"{CHECKPOINT_PREFIX}{step}")
+  """MODEL_DIR/checkpoint_<step> (a URL under a bucket MODEL_DIR)."""
+  return storage.join(model_dir, f"{CHECKPOINT_PREFIX}{step}")
 
 
 def step_of(path: str) -> int | None:
   """The step of a `checkpoint_<step>` directory, None for a directory of another name."""
-  m = _STEP_DIR.match(os.path.basename(os.path.normpath(path)))
+  name = storage.basename(path) if storage.is_remote(path) else os.path.basename(
+      os.path.normpath(path))
+  m = _STEP_DIR.match(name)
   return int(m.group(1)) if m else None
 
 
+def absolute(path: str) -> str:
+  """A local path made absolute (Orbax takes no other); a bucket URL normalized."""
+  return storage.normalize(path) if storage.is_remote(path) else os.path.abspath(path)
+
+
 def is_native_checkpoint(path: str) -> bool:
-  """A single t5forge checkpoint directory (not a MODEL_DIR), intact or not."""
+  """A single t5forge checkpoint directory (not a MODEL_DIR), intact or not. On a bucket
+  its manifest is its commit marker: a prefix without one is no checkpoint."""
+  if storage.is_remote(path):
+    return storage.isfile(storage.join(path, manifest.MANIFEST))
   return (os.path.isdir(os.path.join(path, PARAMS)) and os.path.isdir(os.path.join(path, CONFIG))
           or os.path.isfile(os.path.join(path, manifest.MANIFEST)))
 
@@ -62,7 +73,10 @@ def is_complete(path: str) -> bool:
   """Committed by Orbax: written under a temporary name and renamed into place, so a
   `checkpoint_<step>` directory of ours is whole unless damaged since (`manifest.verify`
   says). The same steps Orbax's CheckpointManager sees, so that none of them is hidden
-  from the damage checks while Orbax would still delete or refuse to overwrite it."""
+  from the damage checks while Orbax would still delete or refuse to overwrite it.
+  On a bucket (no rename) the manifest, written after every other file, commits it."""
+  if storage.is_remote(path):
+    return is_native_checkpoint(path)
   return is_native_checkpoint(path) or os.path.isfile(os.path.join(path,
                                                                    manifest.ORBAX_METADATA))
 
@@ -70,6 +84,10 @@ def is_complete(path: str) -> bool:
 def checkpoint_steps(model_dir: str) -> list[int]:
   """Steps of the committed checkpoints in MODEL_DIR, ascending (intact or not; a damaged
   one set aside by training is renamed `checkpoint_<step>.damaged-<time>` and not listed)."""
+  if storage.is_remote(model_dir):
+    # One listing: the committed steps are those whose manifest is there.
+    found = storage.glob(storage.join(model_dir, f"{CHECKPOINT_PREFIX}*", manifest.MANIFEST))
+    return sorted({step_of(storage.dirname(f)) for f in found} - {None})
   if not os.path.isdir(model_dir):
     return []
   steps = []
@@ -131,7 +149,7 @@ def read_config(path: str) -> dict:
   """The JSON config item of a checkpoint: {"model": {...}, ...}."""
   ocp, ckpt = _checkpointer()
   # Orbax takes absolute paths only.
-  return ckpt.restore(os.path.abspath(path),
+  return ckpt.restore(absolute(path),
                       ocp.args.Composite(**{CONFIG: ocp.args.JsonRestore()}))[CONFIG]
 
 
@@ -140,8 +158,10 @@ def _shape_difference(path: str, abstract_params) -> str | None:
   ('encoder/.../kernel: stored (64, 32), config (64, 16)'), None when all agree (or the
   stored shapes cannot be read: then the restore's own error says what went wrong)."""
   import orbax.checkpoint as ocp  # noqa: PLC0415 (slow import, on first use)
+  from etils import epath  # noqa: PLC0415 (Orbax's path type: local or gs://)
   try:
-    stored = ocp.StandardCheckpointHandler().metadata(pathlib.Path(path) / PARAMS)
+    stored = ocp.StandardCheckpointHandler().metadata(
+        (epath.Path(path) if storage.is_remote(path) else pathlib.Path(path)) / PARAMS)
   except Exception:  # noqa: BLE001 # unreadable metadata: no verdict
     return None
 
@@ -174,14 +194,14 @@ def read_header(path: str) -> tuple[ModelConfig, dict]:
   """
   if not is_native_checkpoint(path):
     raise UserError(f"{path}: not a t5forge checkpoint (needs params/ and config/ inside)")
-  note = manifest.verify(os.path.abspath(path))
+  note = manifest.verify(absolute(path))
   if note:
     print(f"note: {note}", file=sys.stderr)
   try:
     meta = read_config(path)
   except Exception as e:  # noqa: BLE001 # damage Orbax meets, in any form
     raise manifest.unreadable(path, e) from None
-  return ModelConfig.from_dict(meta["model"], source=os.path.join(path, CONFIG)), meta
+  return ModelConfig.from_dict(meta["model"], source=storage.join(path, CONFIG)), meta
 
 
 def restore_params(path: str, abstract_params) -> dict:
@@ -202,14 +222,14 @@ def restore_params(path: str, abstract_params) -> dict:
   import orbax.checkpoint as ocp  # noqa: PLC0415 (slow import, on first use)
   # Compared before restoring: Orbax restores a stored array into a target of another
   # shape without a word.
-  difference = _shape_difference(os.path.abspath(path), abstract_params)
+  difference = _shape_difference(absolute(path), abstract_params)
   if difference:
     raise UserError(f"{path}: parameters do not match the config stored with them "
                     f"({difference})")
   try:
     # Orbax takes absolute paths only.
     restored = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
-        os.path.abspath(path), ocp.args.Composite(**{
+        absolute(path), ocp.args.Composite(**{
             PARAMS: ocp.args.StandardRestore(abstract_params)}))
   except Exception as e:  # noqa: BLE001 # Orbax raises many kinds
     raise manifest.unreadable(path, e) from None
@@ -243,4 +263,7 @@ def load(path: str, *, abstract_params=None) -> tuple[ModelConfig, dict, dict]:
 
 
 def remove(path: str) -> None:
+  if storage.is_remote(path):
+    storage.rmtree(path)
+    return
   shutil.rmtree(path, ignore_errors=True)

@@ -13,20 +13,37 @@ renamed aside to `checkpoint_<step>.damaged-<time>` and the next older one tried
 none intact the run refuses), else INITIAL_CHECKPOINT_PATH (parameters and step from a t5forge,
 HF or T5X checkpoint, renamed or dropped by a regex assignment map, missing ones
 initialised fresh if allowed, cast to the model's dtype), else a fresh init.
+
+A bucket MODEL_DIR. On `gs://` Orbax writes straight to the bucket (TensorStore's GCS
+driver; every process its own `ocdbt.process_<i>`) in place, as it does on GCS, and the
+primary process writes the manifest after every other object: the manifest commits the
+checkpoint (`convert.manifest`). Orbax has no S3 array path, so on `s3://` a step is
+written into a local staging directory under the cache (`storage.cache_root()`), its
+manifest added, uploaded with the manifest last and the local copy removed; restores
+read `storage.local_copy` of the step (one download per object version), and which old
+steps go (`keep`, `keep_best`) is decided here, as Orbax's policy would on disk. A
+damaged checkpoint on a bucket is moved aside (copied to `checkpoint_<step>.damaged-
+<time>`, then deleted: buckets have no rename). A save the bucket refuses or that the
+network cuts short is a one-line StorageError naming the checkpoint; with no manifest
+written, nothing of it counts, and a resume reads the previous checkpoint.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
+import shutil
 import time
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies
 
-from t5forge import multihost
+from t5forge import multihost, storage
 from t5forge.convert import load_checkpoint, manifest, native
 from t5forge.errors import UserError
 from t5forge.nn import quant
@@ -105,8 +122,20 @@ class Checkpointer:
   """Saves and restores train states in MODEL_DIR with an Orbax CheckpointManager."""
 
   def __init__(self, model_dir: str, config: SaveCheckpointConfig):
-    self.model_dir = model_dir
+    self.scheme = storage.scheme(model_dir)  # '' (local disk), 'gs' or 's3'
+    self.model_dir = storage.normalize(model_dir) if self.scheme else model_dir
     self.config = config
+    orbax_dir = self.model_dir
+    self._staging = None  # s3://: where Orbax writes a step before it is uploaded
+    if self.scheme:
+      storage.check_bucket(self.model_dir)  # a missing bucket: one line, before Orbax
+    if self.scheme == "gs":
+      storage.configure_tensorstore()
+    elif self.scheme == "s3":
+      digest = hashlib.sha256(self.model_dir.encode()).hexdigest()[:16]
+      self._staging = orbax_dir = os.path.join(storage.cache_root(), "staging", digest)
+      shutil.rmtree(self._staging, ignore_errors=True)  # left by a killed run: not uploaded
+      os.makedirs(self._staging)
     keep = []
     if config.keep is not None:
       keep.append(policies.LatestN(n=config.keep))
@@ -114,7 +143,8 @@ class Checkpointer:
       metric, reverse = config.best_metric, config.best_mode == "max"
       keep.append(policies.BestN(get_metric_fn=lambda m: m[metric], reverse=reverse,
                                  n=config.keep_best, keep_checkpoints_without_metrics=False))
-    policy = policies.AnyPreservationPolicy(keep) if keep else None
+    # s3://: the steps live in the bucket, not in Orbax's staging directory (_prune_bucket).
+    policy = policies.AnyPreservationPolicy(keep) if keep and self.scheme != "s3" else None
     self._saving = None  # the directory of the save in flight
     self._extra_files: dict[str, str] = {}
     # Always Orbax's asynchronous checkpointer: its post-finalization callback writes the
@@ -125,12 +155,15 @@ class Checkpointer:
         enable_async_checkpointing=True, preservation_policy=policy,
         cleanup_tmp_directories=True,
         async_options=ocp.AsyncOptions(post_finalization_callback=self._write_manifest))
-    self._mngr = ocp.CheckpointManager(
-        model_dir, options=options,
-        item_handlers={native.PARAMS: ocp.StandardCheckpointHandler(),
-                       OPT_STATE: ocp.StandardCheckpointHandler(),
-                       native.CONFIG: ocp.JsonCheckpointHandler(),
-                       DATA_ITER: ocp.JsonCheckpointHandler()})
+    self._mngr = ocp.CheckpointManager(orbax_dir, options=options,
+                                       item_handlers=self._item_handlers())
+
+  @staticmethod
+  def _item_handlers() -> dict:
+    return {native.PARAMS: ocp.StandardCheckpointHandler(),
+            OPT_STATE: ocp.StandardCheckpointHandler(),
+            native.CONFIG: ocp.JsonCheckpointHandler(),
+            DATA_ITER: ocp.JsonCheckpointHandler()}
 
   def should_save(self, step: int, last_step: int) -> bool:
     return bool(step == last_step or (self.config.period and step % self.config.period == 0)
@@ -146,7 +179,68 @@ class Checkpointer:
 
   def _write_manifest(self) -> None:
     # Orbax runs this on the primary process after every process's files are written.
+    if self.scheme == "gs":  # written in place: the manifest, last, commits it
+      manifest.write_objects(self._saving, self._extra_files)
+      return
+    if self.scheme == "s3":
+      local = os.path.join(self._staging, storage.basename(self._saving))
+      manifest.write_staged(local, self._extra_files)
+      storage.upload_tree(manifest.staged_dir(local), self._saving, last=(manifest.MANIFEST,))
+      self._prune_bucket()
+      return
     manifest.write_staged(self._saving, self._extra_files)
+
+  def _prune_bucket(self) -> None:
+    """Deletes the s3:// steps the preservation policy of `__init__` would (the latest
+    `keep`, and the best `keep_best` by `best_metric`, stay; so does the newest)."""
+    cfg = self.config
+    best = bool(cfg.best_metric and cfg.keep_best)
+    if cfg.keep is None and not best:
+      return
+    steps = native.checkpoint_steps(self.model_dir)
+    keep = set(steps[-1:])
+    if cfg.keep is not None:
+      keep |= set(steps[len(steps) - cfg.keep:]) if cfg.keep else set()
+    if best:
+      scored = []
+      for step in steps:
+        meta = json.loads(storage.read_bytes(storage.join(self.step_dir(step),
+                                                          manifest.ORBAX_METADATA)))
+        value = (meta.get("metrics") or {}).get(cfg.best_metric)
+        if value is not None:
+          scored.append((float(value), step))
+      scored.sort(reverse=cfg.best_mode == "max")
+      keep |= {step for _, step in scored[:cfg.keep_best]}
+    for step in steps:
+      if step not in keep:
+        _delete_remote(self.step_dir(step))
+
+  def _orbax(self, fn: Callable[[], Any], step: int | None = None) -> Any:
+    """`fn()`, an Orbax save or wait; on a bucket its failure is one line naming the
+    checkpoint (nothing of it was committed: its manifest is written last)."""
+    try:
+      return fn()
+    except UserError:
+      raise
+    except Exception as e:  # network and bucket errors, in any form
+      if not self.scheme:
+        raise
+      where = self.step_dir(step) if step is not None else self._saving or self.model_dir
+      first = " ".join((str(e).strip().splitlines() or [type(e).__name__])[0].split())[:200]
+      raise storage.StorageError(
+          f"{where}: saving the checkpoint failed ({type(e).__name__}: {first}); it is not "
+          f"committed (no {manifest.MANIFEST}), the previous checkpoints are untouched; "
+          "check the network or the bucket and resume") from None
+
+  def _finish(self) -> None:
+    """Waits for the save in flight; on s3:// drops its uploaded local staging copy."""
+    self._orbax(self._mngr.wait_until_finished)
+    if self.scheme == "s3" and multihost.is_chief():
+      names = [n for n in os.listdir(self._staging) if native.step_of(n) is not None]
+      for name in names:
+        shutil.rmtree(os.path.join(self._staging, name), ignore_errors=True)
+      if names:
+        self._mngr.reload()  # Orbax listed the staged steps
 
   def save(self, step: int, state, *, config_item: dict, data_state: Any = None,
            metrics: dict | None = None, extra_files: dict[str, str] | None = None) -> None:
@@ -154,22 +248,27 @@ class Checkpointer:
     `extra_files` ({name: text}) are written into it too (adapter training's
     adapter.json), covered by its manifest."""
     data_item = {"num_processes": jax.process_count(), "states": multihost.gather_json(data_state)}
-    self._mngr.wait_until_finished()  # the previous save's callback still reads _saving
+    self._finish()  # the previous save's callback still reads _saving
     self._saving = self.step_dir(step)
     self._extra_files = dict(extra_files or {})
-    self._mngr.save(step, args=ocp.args.Composite(**{
+    self._orbax(lambda: self._mngr.save(step, args=ocp.args.Composite(**{
         native.PARAMS: ocp.args.StandardSave(state.params),
         OPT_STATE: ocp.args.StandardSave(state.opt_state),
         native.CONFIG: ocp.args.JsonSave({**config_item, manifest.EXPECTED: manifest.MANIFEST}),
         DATA_ITER: ocp.args.JsonSave(data_item),
-    }), metrics=metrics, force=True)
+    }), metrics=metrics, force=True), step)
     if not self.config.async_save:
-      self._mngr.wait_until_finished()
+      self._finish()
 
   def check_compatible(self, step: int, abstract_params: Any) -> None:
     """Names the first parameter whose saved shape differs from the model's."""
-    meta = self._mngr.item_metadata(step)
-    saved = _flatten(getattr(meta[native.PARAMS], "tree", meta[native.PARAMS]))
+    if self.scheme == "s3":
+      params_dir = os.path.join(storage.local_copy(self.step_dir(step)), native.PARAMS)
+      stored = ocp.StandardCheckpointHandler().metadata(epath.Path(params_dir))
+      saved = _flatten(getattr(stored, "tree", stored))
+    else:
+      meta = self._mngr.item_metadata(step)
+      saved = _flatten(getattr(meta[native.PARAMS], "tree", meta[native.PARAMS]))
     want = _flatten(abstract_params)
     path = self.step_dir(step)
     for name, spec in want.items():
@@ -194,11 +293,16 @@ class Checkpointer:
     note = manifest.verify(path)
     try:
       self.check_compatible(step, abstract_state.params)
-      restored = self._mngr.restore(step, args=ocp.args.Composite(**{
+      args = ocp.args.Composite(**{
           native.PARAMS: ocp.args.StandardRestore(abstract_state.params),
           OPT_STATE: ocp.args.StandardRestore(abstract_state.opt_state),
           DATA_ITER: ocp.args.JsonRestore(),
-      }))
+      })
+      if self.scheme == "s3":  # verified above on this same local copy
+        restored = ocp.Checkpointer(ocp.CompositeCheckpointHandler(**self._item_handlers())
+                                    ).restore(storage.local_copy(path), args)
+      else:
+        restored = self._mngr.restore(step, args=args)
     except UserError:
       raise
     except Exception as e:  # noqa: BLE001 # damage Orbax meets, in any form
@@ -242,18 +346,34 @@ class Checkpointer:
     for error in damaged:
       aside = f"{error.path}.damaged-{stamp}"
       if multihost.is_chief():
-        os.rename(error.path, aside)
-      log(f"note: {error}; renamed it to {os.path.basename(aside)} (kept) and resumed from "
-          f"{os.path.basename(used)}")
+        if self.scheme:  # no rename on a bucket: a copy, then the original deleted
+          storage.copy_tree(error.path, aside)
+          _delete_remote(error.path)
+        else:
+          os.rename(error.path, aside)
+      log(f"note: {error}; {'moved' if self.scheme else 'renamed'} it to "
+          f"{storage.basename(aside)} (kept) and resumed from {storage.basename(used)}")
     multihost.sync("t5forge_damaged_checkpoints_set_aside")
+    storage.forget_shared_listings(self.model_dir)
     self._mngr.reload()  # Orbax listed the damaged steps when it started
 
   def wait(self) -> None:
-    self._mngr.wait_until_finished()
+    self._finish()
 
   def close(self) -> None:
-    self._mngr.wait_until_finished()
-    self._mngr.close()
+    try:
+      self._finish()
+    finally:
+      self._mngr.close()
+      if self._staging:
+        shutil.rmtree(self._staging, ignore_errors=True)
+
+
+def _delete_remote(step_url: str) -> None:
+  """Deletes a checkpoint under a bucket prefix, its manifest (the commit marker) first:
+  one cut short is no longer listed as a checkpoint."""
+  storage.remove(storage.join(step_url, manifest.MANIFEST))
+  storage.rmtree(step_url)
 
 
 def data_state_for_this_process(data_item: dict | None) -> Any:

