@@ -4,7 +4,6 @@ damaged objects found by the manifest and skipped with the same note as on disk,
 the emulator's outage cuts short committed nowhere, and every reader opening bucket
 checkpoints (a MODEL_DIR, an HF directory) to the same logits as their local copies."""
 import collections
-import json
 import os
 
 import jax
@@ -13,7 +12,6 @@ import pytest
 
 from t5forge import storage
 from t5forge.convert import manifest, native
-from t5forge.errors import UserError
 from t5forge.train.checkpoint import Checkpointer
 from t5forge.train.settings import SaveCheckpointConfig
 
