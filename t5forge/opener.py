@@ -229,16 +229,22 @@ def _read(path: str, overrides: dict,
   if bad:
     raise UserError(f"cannot override {bad} when loading a checkpoint; only "
                     f"{list(convert.RUNTIME_FIELDS)} may change")
-  local = convert.local_path(path)
+  # A bucket checkpoint: `local` is its gs:// URL (Orbax reads it there) or a local copy,
+  # whose name does not carry the step.
+  local, step = convert.locate(path)
   if convert.detect_format(local) != convert.T5FORGE or base_dtype is not None:
-    return load_checkpoint(local, base_dtype=base_dtype, **overrides), None
+    ckpt = load_checkpoint(local, base_dtype=base_dtype, **overrides)
+    ckpt.step = ckpt.step or step or 0
+    return ckpt, None
   stored, meta = native.read_header(local)
   config = stored.replace(**overrides) if overrides else stored
   if config.weight_dtype == "int8" and stored.weight_dtype != "int8":
     # nn.quant quantizes numpy kernels: a conversion on the host, as HF's.
-    return load_checkpoint(local, **overrides), None
-  return LoadedCheckpoint(config, None, convert.T5FORGE, local, step=native.step_of(local) or 0,
-                          extras=meta), stored
+    ckpt = load_checkpoint(local, **overrides)
+    ckpt.step = ckpt.step or step or 0
+    return ckpt, None
+  return LoadedCheckpoint(config, None, convert.T5FORGE, local,
+                          step=native.step_of(local) or step or 0, extras=meta), stored
 
 
 def _targets(abstract: dict, shardings: dict) -> dict:

@@ -12,6 +12,7 @@ import pytest
 
 from t5forge import storage
 from t5forge.convert import manifest, native
+from t5forge.errors import UserError
 from t5forge.train.checkpoint import Checkpointer
 from t5forge.train.settings import SaveCheckpointConfig
 
@@ -118,3 +119,64 @@ def test_a_damaged_checkpoint_falls_back_to_the_previous_one_with_a_note(bucket_
   _save(ck, 4)  # the step is free again for the resumed run
   ck.close()
   assert native.checkpoint_steps(url) == [2, 4] and manifest.verify(step4) is None
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+  """A local MODEL_DIR with checkpoint_3 of a tiny random t5.1.1 model (a training run's
+  layout: params, opt_state, config, data_iter, manifest)."""
+  import t5forge
+  from t5forge.nn import init_params
+  config = t5forge.presets.get("t5_1_1.tiny", vocab_size=128)
+  params = init_params(config, jax.random.key(7))
+  model_dir = str(tmp_path_factory.mktemp("tiny") / "run")
+  ck = Checkpointer(model_dir, SaveCheckpointConfig())
+  ck.save(3, State(params, {"count": jax.numpy.zeros((), jax.numpy.int32)}),
+          config_item={"model": config.to_dict()})
+  ck.close()
+  return model_dir
+
+
+def _tokens():
+  rng = np.random.default_rng(0)
+  return rng.integers(2, 120, (2, 7)), rng.integers(2, 120, (2, 5))
+
+
+def _logits(path):
+  import t5forge
+  return t5forge.load(path).logits(*_tokens())
+
+
+def test_load_a_bucket_model_dir_and_its_checkpoint_equals_the_local_copy(bucket_env,
+                                                                          tiny_model_dir):
+  from t5forge import convert
+  from t5forge.convert import paths
+  _, bucket = bucket_env
+  url = bucket + "/run"
+  storage.copy_tree(tiny_model_dir, url)
+  want = _logits(tiny_model_dir)
+  resolved = paths.resolve(url + "/")
+  assert resolved.path == native.step_dir(url, 3) and resolved.step == 3
+  assert resolved.model_dir == url
+  assert [r.path for r in paths.resolve_all(url)] == [native.step_dir(url, 3)]
+  assert convert.detect_format(url) == convert.T5FORGE
+  for path in (url, native.step_dir(url, 3)):
+    model = __import__("t5forge").load(path)
+    assert model.checkpoint.step == 3
+    np.testing.assert_array_equal(model.logits(*_tokens()), want)
+  loaded = convert.load_checkpoint(url)
+  assert loaded.step == 3 and loaded.format == convert.T5FORGE
+  with pytest.raises(UserError, match="no such file or directory"):
+    paths.resolve(bucket + "/nothing-here")
+
+
+def test_load_an_hf_directory_in_a_bucket_equals_the_local_copy(bucket_env, hf_dirs):
+  from t5forge import convert
+  _, bucket = bucket_env
+  local = hf_dirs("t5_1_0")
+  url = bucket + "/hf/t5-tiny"
+  storage.copy_tree(local, url)
+  assert convert.detect_format(url) == convert.HF
+  np.testing.assert_array_equal(_logits(url), _logits(local))
+  loaded = convert.load_checkpoint(url)
+  assert loaded.format == convert.HF

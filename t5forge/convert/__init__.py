@@ -12,12 +12,17 @@
 
 `from_checkpoint(path)` and `of_checkpoint(loaded)` give the vocabulary a checkpoint
 stores, in any of these formats.
+
+Each may be in a bucket (`gs://...`, `s3://...`): a t5forge checkpoint on gs:// is read in
+place (Orbax's TensorStore GCS driver), anything else through a local copy of it, made once
+per object version under the cache (`storage.local_copy`, `readable`).
 """
 from __future__ import annotations
 
 import dataclasses
 import os
 
+from t5forge import storage
 from t5forge.convert import hf, native, paths, t5x
 from t5forge.data import vocab_io
 from t5forge.data.vocab import Vocabulary
@@ -88,17 +93,46 @@ def _download(name: str) -> str:
         f"(`hf download {name}`) and pass the local directory.") from None
 
 
+def readable(path: str) -> str:
+  """What readers open for the checkpoint at `path` (as `paths.resolve` gives it): a local
+  path, or a t5forge checkpoint on gs://, as it is (Orbax reads it in place); any other
+  bucket checkpoint, a local copy of it (`storage.local_copy`, cached per object version)."""
+  if not storage.is_remote(path):
+    return path
+  if storage.scheme(path) == "gs" and native.is_native_checkpoint(path):
+    return path
+  try:
+    return storage.local_copy(path)
+  except FileNotFoundError:
+    raise UserError(f"{path}: no such object or prefix in the bucket; pass a checkpoint "
+                    "or the MODEL_DIR a run wrote") from None
+
+
+def locate(path: str) -> tuple[str, int | None]:
+  """(`local_path(path)`, the step of the `checkpoint_<step>` it names or None): the step
+  of a bucket checkpoint read through a local copy is not in the copy's name."""
+  if path and not storage.is_remote(path) and not os.path.exists(path) and (
+      _looks_like_hub_name(path)):
+    return _download(path), None
+  resolved = paths.resolve(path)
+  return readable(resolved.path), resolved.step
+
+
 def local_path(path: str) -> str:
   """The local checkpoint `path` names, absolute: where a Hugging Face Hub name such as
   `google/flan-t5-small` was downloaded to (when it is not a local path), else the
-  checkpoint `paths.resolve` finds (a MODEL_DIR's newest intact checkpoint)."""
-  if path and not os.path.exists(path) and _looks_like_hub_name(path):
-    return _download(path)
-  return paths.resolve(path).path
+  checkpoint `paths.resolve` finds (a MODEL_DIR's newest intact checkpoint). For a bucket
+  URL, what `readable` opens: the URL of a t5forge checkpoint on gs://, else a local copy."""
+  return locate(path)[0]
 
 
 def detect_format(path: str) -> str:
-  """'t5forge', 'hf' or 't5x' for an existing local path; UserError otherwise."""
+  """'t5forge', 'hf' or 't5x' for an existing local path or bucket URL; UserError
+  otherwise."""
+  if storage.is_remote(path):
+    if native.is_native_checkpoint(path) or paths.is_model_dir(path):
+      return T5FORGE
+    return detect_format(readable(path))
   if os.path.isdir(path):
     if native.is_native_checkpoint(path) or paths.is_model_dir(path):
       return T5FORGE
@@ -164,7 +198,7 @@ def load_checkpoint(path: str, *, base_dtype: str | None = None,
     raise UserError(f"cannot override {bad} when loading a checkpoint; only "
                     f"{list(RUNTIME_FIELDS)} may change")
   store = None if base_dtype is None else _storer(base_dtype)
-  path = local_path(path)
+  path, known_step = locate(path)
   fmt = detect_format(path)
   step, extras = 0, {}
   if fmt == T5FORGE:
@@ -172,7 +206,7 @@ def load_checkpoint(path: str, *, base_dtype: str | None = None,
     if ckpt_dir is None:
       raise UserError(f"{path}: no complete checkpoint_<step> directory inside")
     config, params, extras = native.load(ckpt_dir)
-    step, path = native.step_of(ckpt_dir) or 0, ckpt_dir
+    step, path = native.step_of(ckpt_dir) or known_step or 0, ckpt_dir
   elif fmt == HF:
     config, params = hf.load_hf(path, store=store,
                                 scan_layers=overrides.get("scan_layers", False))

@@ -14,7 +14,9 @@ INITIAL_CHECKPOINT_PATH or a vocabulary `from_checkpoint` in one of these ways:
     resolve_all("run")        # -> [.../checkpoint_100, .../checkpoint_200, ...]
 
 Paths come back absolute (Orbax takes no other), so a relative one works from any working
-directory; what the user wrote is kept for messages. A Hugging Face Hub name is fetched
+directory; what the user wrote is kept for messages. A `gs://` or `s3://` URL names a
+checkpoint or MODEL_DIR in a bucket the same ways and comes back a URL (normalized); what
+reads it is decided after (`convert.readable`: Orbax in place on gs://, else a local copy). A Hugging Face Hub name is fetched
 before it gets here (`convert.local_path`). Which format the checkpoint is in is decided
 after (`convert.detect_format`).
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from t5forge import storage
 from t5forge.convert import native
 from t5forge.errors import UserError
 
@@ -42,7 +45,7 @@ class Resolved:
     model_dir: absolute MODEL_DIR that `path` is a step of; None when it is not one.
   """
 
-  path: str
+  path: str  # a URL for a checkpoint in a bucket
   given: str
   step: int | None = None
   model_dir: str | None = None
@@ -51,16 +54,24 @@ class Resolved:
 def _absolute(path: str) -> str:
   if not path:
     raise UserError(f"no checkpoint path given; {_KINDS}")
+  if storage.is_remote(path):
+    return storage.normalize(path)
   return os.path.abspath(os.path.expanduser(path))
 
 
 def _found(path: str) -> str:
-  names = sorted(os.listdir(path)) if os.path.isdir(path) else []
+  if storage.is_remote(path):
+    names = storage.listdir(path)
+  else:
+    names = sorted(os.listdir(path)) if os.path.isdir(path) else []
   return ", ".join(names[:6]) + (", ..." if len(names) > 6 else "") if names else "nothing"
 
 
 def is_model_dir(path: str) -> bool:
   """A directory of `checkpoint_<step>` directories (not itself a checkpoint)."""
+  if path and storage.is_remote(path):
+    full = storage.normalize(path)
+    return bool(native.checkpoint_steps(full)) and not native.is_native_checkpoint(full)
   full = os.path.abspath(os.path.expanduser(path)) if path else ""
   return (os.path.isdir(full) and not native.is_native_checkpoint(full)
           and bool(native.checkpoint_steps(full)))
@@ -68,7 +79,7 @@ def is_model_dir(path: str) -> bool:
 
 def _of(full: str, given: str) -> Resolved:
   step = native.step_of(full) if native.is_native_checkpoint(full) else None
-  return Resolved(full, given, step, os.path.dirname(full) if step is not None else None)
+  return Resolved(full, given, step, storage.dirname(full) if step is not None else None)
 
 
 def resolve(path: str, *, step: int | None = None) -> Resolved:
@@ -84,7 +95,7 @@ def resolve(path: str, *, step: int | None = None) -> Resolved:
   """
   full = _absolute(path)
   shown = path if full == path else f"{path} ({full})"
-  if not os.path.exists(full):
+  if not storage.exists(full):
     raise UserError(f"{shown}: no such file or directory; {_KINDS}")
   if not is_model_dir(full):
     if step is not None and native.step_of(full) != step:
