@@ -7,6 +7,7 @@
     python -m bench serve                  # `t5forge serve` under load (bench/serve.py)
     python -m bench infer                  # `t5forge infer`, engine vs static batches
     python -m bench peft                   # LoRA on a bf16 / int8 frozen base (bench/peft.py)
+    python -m bench storage                # checkpoints: local disk vs GCS / S3 emulators
     python -m bench matmul t5gemma         # T5Gemma-S-S training + greedy vs transformers
 
 Cases: `matmul` (JAX and torch matmul peaks), `train` (step time, tokens/s, peak RSS,
@@ -40,7 +41,7 @@ import sys
 import time
 
 from bench import (decode_cases, infer_mixed, peft, report as report_lib, serve, shapes,
-                   t5gemma_cases, table, train_cases)
+                   storage, t5gemma_cases, table, train_cases)
 from bench.prepare import RESULTS_DIR, Context, bf16_hardware, machine_info, prepare_models
 from bench.workers import WorkerError, log
 
@@ -90,6 +91,8 @@ def main(argv=None) -> int:
     return infer_mixed.main(argv[1:])
   if argv[:1] == ["peft"]:  # and this one (bench/peft.py)
     return peft.main(argv[1:])
+  if argv[:1] == ["storage"]:  # and this one (bench/storage.py)
+    return storage.main(argv[1:])
   args = _parse(argv)
   plan = shapes.QUICK if args.quick else shapes.FULL
   rounds = args.rounds or plan.rounds

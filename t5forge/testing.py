@@ -285,9 +285,9 @@ class Emulator:
 
   def start(self) -> None:
     if self.scheme == "gs":
-      cmd = [os.path.join(os.path.dirname(sys.executable), "gcp-storage-emulator"), "-d", os.path.join(self.root, "gcs-data"),
-             "start", "--host=127.0.0.1",
-             f"--port={self.port}"]
+      cmd = [sys.executable, "-c", "from t5forge.testing import run_gcs_emulator; "
+             "run_gcs_emulator()", "-d", os.path.join(self.root, "gcs-data"), "start",
+             "--host=127.0.0.1", f"--port={self.port}"]
       probe = f"{self.endpoint}/storage/v1/b"
     else:
       # moto keeps its buckets in memory only; `stop()` + `start()` of an S3 emulator
@@ -348,3 +348,85 @@ def emulator(scheme: str, root: str):
     yield emu
   finally:
     emu.stop()
+
+
+def run_gcs_emulator() -> None:
+  """`gcp-storage-emulator` (arguments from sys.argv) with GCS's generation semantics.
+
+  The emulator keeps a generation per object but neither sends it with a download
+  (`x-goog-generation`) nor honours the preconditions (`ifGenerationMatch`,
+  `ifGenerationNotMatch`). Real GCS does both, and TensorStore relies on them: it caches a
+  read by its generation and writes OCDBT manifests conditionally on it, so against the
+  bare emulator a checkpoint save fails now and then with "Malformed StorageGeneration",
+  and an exclusive create (a lock) overwrites. This adds both, for single-request uploads
+  (media and multipart, which is what TensorStore, gcsfs and google-cloud-storage send for
+  small objects) and downloads, before the emulator's routes are built.
+  """
+  import threading as _threading  # noqa: PLC0415 - the emulator's process only
+  from http import HTTPStatus  # noqa: PLC0415
+
+  from gcp_storage_emulator import storage as emu_storage  # noqa: PLC0415
+  from gcp_storage_emulator.exceptions import NotFound  # noqa: PLC0415
+  from gcp_storage_emulator.handlers import objects  # noqa: PLC0415
+
+  local = _threading.local()
+
+  class _ConditionNotMet(Exception):
+    pass
+
+  def generation_of(storage, bucket, name):
+    try:
+      return int(storage.get_file_obj(bucket, name)["generation"])
+    except NotFound:
+      return 0
+
+  def condition(query, key):
+    values = query.get(key)
+    return int(values[0]) if values else None
+
+  original_create = emu_storage.Storage.create_file
+
+  def create_file(self, bucket_name, file_name, content, file_obj, *args, **kwargs):
+    match = getattr(local, "if_generation_match", None)
+    if match is not None and generation_of(self, bucket_name, file_name) != match:
+      raise _ConditionNotMet()
+    return original_create(self, bucket_name, file_name, content, file_obj, *args, **kwargs)
+
+  emu_storage.Storage.create_file = create_file
+  original_insert, original_download = objects.insert, objects.download
+
+  def failed_precondition(response):
+    response.status = HTTPStatus.PRECONDITION_FAILED
+    response.json({"error": {"code": 412, "message": "At least one of the pre-conditions "
+                             "you specified did not hold.", "errors": [
+                                 {"reason": "conditionNotMet"}]}})
+
+  def insert(request, response, storage, *args, **kwargs):
+    local.if_generation_match = condition(request.query, "ifGenerationMatch")
+    try:
+      return original_insert(request, response, storage, *args, **kwargs)
+    except _ConditionNotMet:
+      failed_precondition(response)
+    finally:
+      local.if_generation_match = None
+
+  def download(request, response, storage, *args, **kwargs):
+    bucket, name = request.params["bucket_name"], request.params["object_id"]
+    generation = generation_of(storage, bucket, name)
+    match = condition(request.query, "ifGenerationMatch")
+    not_match = condition(request.query, "ifGenerationNotMatch")
+    if generation and match is not None and match != generation:
+      return failed_precondition(response)
+    if generation and not_match is not None and not_match == generation:
+      response.status = HTTPStatus.NOT_MODIFIED
+      response["x-goog-generation"] = str(generation)
+      return None
+    original_download(request, response, storage, *args, **kwargs)
+    if generation and response.status in (HTTPStatus.OK, HTTPStatus.PARTIAL_CONTENT):
+      response["x-goog-generation"] = str(generation)
+      response["x-goog-metageneration"] = "1"
+    return None
+
+  objects.insert, objects.download = insert, download
+  from gcp_storage_emulator.__main__ import main  # noqa: PLC0415 - builds routes from `objects`
+  main(sys.argv[1:])

@@ -39,10 +39,9 @@ def test_exclusive_create(bucket_env):
   emu, bucket = bucket_env
   url = storage.join(bucket, "lock")
   storage.write_bytes(url, b"mine", exclusive=True)
-  if emu.scheme == "s3":  # gcp-storage-emulator ignores ifGenerationMatch
-    with pytest.raises(FileExistsError):
-      storage.write_bytes(url, b"theirs", exclusive=True)
-    assert storage.read_bytes(url) == b"mine"
+  with pytest.raises(FileExistsError):
+    storage.write_bytes(url, b"theirs", exclusive=True)
+  assert storage.read_bytes(url) == b"mine"
 
 
 def test_missing_bucket_is_one_line(bucket_env):

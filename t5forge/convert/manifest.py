@@ -213,9 +213,14 @@ def verify(directory: str) -> str | None:
       wrong with it (missing, other size, other content), and how many more there are.
   """
   if storage.is_remote(directory):
-    head = storage.read_range(storage.join(directory, MANIFEST), 0, 4096) if (
-        storage.isfile(storage.join(directory, MANIFEST))) else b""
-    if not head or f'"hash": "{OBJECT}"'.encode() in head:
+    url = storage.join(directory, MANIFEST)
+    hash_name = None
+    if storage.isfile(url):
+      try:
+        hash_name = json.loads(storage.read_bytes(url)).get("hash")
+      except (ValueError, AttributeError):
+        hash_name = "unreadable"  # the check of the local copy below names it
+    if hash_name in (None, OBJECT):  # no manifest, or one of objects written in place
       _verify_objects(directory)
       return None
     return _verify_files(storage.local_copy(directory), shown=directory)
