@@ -310,7 +310,15 @@ def isfile(path: str) -> bool:
     return os.path.isfile(path)
   fs = filesystem(path)
   fs.invalidate_cache(_fs_path(path))
-  return bool(call(path, "stat", lambda: fs.isfile(_fs_path(path))))
+
+  def stat() -> bool:
+    # Not fs.isfile: it answers False for any error, so a network outage read as "missing".
+    try:
+      return fs.info(_fs_path(path)).get("type") == "file"
+    except FileNotFoundError:
+      return False
+
+  return bool(call(path, "stat", stat))
 
 
 def listdir(path: str) -> list[str]:

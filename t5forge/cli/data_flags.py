@@ -7,7 +7,8 @@ caches are.
                                         data.add_global_cache_dirs
 
 With gin files (`train`, and `eval` / `infer` in T5X style) `use_cached` is the run gins'
-`USE_CACHED_TASKS`; `eval` and `infer` with flags take `--use_cached`.
+`USE_CACHED_TASKS`; `eval` and `infer` with flags take `--use_cached`. Both directories may
+be buckets (`gs://...`, `s3://...`).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import argparse
 import os
 from collections.abc import Sequence
 
+from t5forge import storage
 from t5forge.errors import UserError
 
 _NAMES = ("--tfds_data_dir", "--seqio_additional_cache_dirs")
@@ -36,16 +38,23 @@ def apply(tfds_data_dir: str | None, cache_dirs: str | Sequence[str] | None) -> 
   """Sets what the flags say, checking that the directories exist."""
   from t5forge import data  # noqa: PLC0415 (after the flags parse: --help stays fast)
   if tfds_data_dir:
-    if not os.path.isdir(os.path.expanduser(tfds_data_dir)):
+    if not _isdir(tfds_data_dir):
       raise UserError(f"--tfds_data_dir={tfds_data_dir}: no such directory")
     data.set_tfds_data_dir_override(tfds_data_dir)
   if cache_dirs:
     dirs = [d for d in cache_dirs.split(",") if d] if isinstance(cache_dirs, str) \
         else list(cache_dirs)
     for d in dirs:
-      if not os.path.isdir(os.path.expanduser(d)):
+      if not _isdir(d):
         raise UserError(f"--seqio_additional_cache_dirs: {d}: no such directory")
     data.add_global_cache_dirs(dirs)
+
+
+def _isdir(path: str) -> bool:
+  if storage.is_remote(path):
+    storage.check_bucket(path)  # a missing bucket is named as such, not as a missing prefix
+    return storage.isdir(path)
+  return os.path.isdir(os.path.expanduser(path))
 
 
 def take(argv: Sequence[str]) -> list[str]:

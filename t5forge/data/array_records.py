@@ -6,12 +6,15 @@ reads (Grain's worker processes reopen their own), with the reader's read-ahead 
 thread pool off. A task shuffles every split globally, so reads are single records in
 random order: read-ahead fetches chunks that the next read does not want, and the pool's
 threads compete with the pipeline's own work for the cores.
+
+A file in a bucket is read through its local copy (`files.local_file`: one per object
+version, under the cache dir); the C++ reader wants a seekable local file.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from t5forge.data.files import ProcessHandles, RecordCounts
+from t5forge.data.files import ProcessHandles, RecordCounts, local_file
 from t5forge.errors import UserError
 
 _OPTIONS = "readahead_buffer_size:0,max_parallelism:0"
@@ -23,17 +26,18 @@ def _unreadable(path: str, e: Exception) -> UserError:
                    "again")
 
 
-def _open(path: str):
+def _open(local: str, path: str):
   from array_record.python.array_record_module import ArrayRecordReader  # noqa: PLC0415 (slow import, on first use)
   try:
-    return ArrayRecordReader(path, _OPTIONS)
+    return ArrayRecordReader(local, _OPTIONS)
   except Exception as e:  # noqa: BLE001 (the C++ reader raises RuntimeError / ValueError / OSError)
     raise _unreadable(path, e) from None
 
 
-def _count(path: str) -> int:
-  """The file's number of records; a damaged file fails here, when the source is built."""
-  reader = _open(path)
+def _count(local: str, path: str) -> int:
+  """The file's number of records; a damaged file fails here, when the source is built.
+  `local` is what is read, `path` what messages name."""
+  reader = _open(local, path)
   try:
     n = reader.num_records()
     reader.close()  # the reader checks the file's footer as it closes
@@ -53,8 +57,9 @@ class ArrayRecordFiles(ProcessHandles, RecordCounts):
 
   def __init__(self, paths: Sequence[str], lengths: Sequence[int] | None = None):
     counts = []
+    self._local = [local_file(p) for p in paths]
     for k, path in enumerate(paths):
-      counts.append(_count(path))
+      counts.append(_count(self._local[k], path))
       if lengths is not None and counts[-1] != int(lengths[k]):
         raise UserError(f"{path}: holds {counts[-1]} records where {int(lengths[k])} are "
                         "recorded for it; the file is incomplete or from another version of "
@@ -63,7 +68,7 @@ class ArrayRecordFiles(ProcessHandles, RecordCounts):
     self._init_handles()
 
   def _open_handle(self, f: int):
-    return _open(self._paths[f])
+    return _open(self._local[f], self._paths[f])
 
   def _close_handle(self, handle) -> None:
     handle.close()

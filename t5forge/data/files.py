@@ -13,6 +13,12 @@ from checkpoints (`vocab/`) and the offline stage of `cache=True` tasks (`tasks/
 `T5FORGE_CACHE=off` (or `none`) keeps nothing between runs: all of it, line indexes of
 plain files included, goes to a temporary directory of the process (shared with the
 processes it starts) that is removed when it exits.
+
+Bucket paths (`gs://`, `s3://`): patterns expand with `storage.glob`, and every file is read
+through its one local copy (`storage.local_copy`, under the cache dir, made again only when
+the object's generation / ETag changes). Line indexes and decompressed copies then live
+next to that copy, so they are keyed on the object version, not on a local mtime; messages
+name the object's URL.
 """
 from __future__ import annotations
 
@@ -74,7 +80,11 @@ def expand_patterns(patterns: str | Sequence[str]) -> list[str]:
     patterns = [patterns]
   files = []
   for pattern in patterns:
-    pattern = os.path.expanduser(os.fspath(pattern))
+    pattern = os.fspath(pattern)
+    if storage.is_remote(pattern):
+      files.extend(_expand_remote(storage.normalize(pattern)))
+      continue
+    pattern = os.path.expanduser(pattern)
     if glob.has_magic(pattern):
       matched = sorted(p for p in glob.glob(pattern) if os.path.isfile(p))
       if not matched:
@@ -87,8 +97,36 @@ def expand_patterns(patterns: str | Sequence[str]) -> list[str]:
   return files
 
 
+def _expand_remote(pattern: str) -> list[str]:
+  if glob.has_magic(pattern):
+    matched = [p for p in storage.glob(pattern) if storage.isfile(p)]
+    if not matched:
+      raise UserError(f"file pattern {pattern!r} matched no objects; check the path")
+    return matched
+  if not storage.isfile(pattern):
+    raise UserError(f"file not found: {pattern}")
+  return [pattern]
+
+
+def local_file(path: str) -> str:
+  """`path` itself when local; for a bucket object, its local copy, made once per object
+  version (`storage.local_copy`)."""
+  return storage.local_copy(path)
+
+
+def version_key(path: str) -> str:
+  """Changes when the file is rewritten: its absolute path, size and mtime on disk; a bucket
+  object's URL, size and generation / ETag."""
+  if storage.is_remote(path):
+    meta = storage.info(path)
+    return f"{storage.normalize(path)}|{meta['size']}|{meta['version']}"
+  size, mtime = stamp(path)
+  return f"{os.path.abspath(path)}|{size}|{mtime}"
+
+
 def _open_binary(path: str):
-  return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+  local = local_file(path)
+  return gzip.open(local, "rb") if path.endswith(".gz") else open(local, "rb")
 
 
 def iter_lines(path: str) -> Iterator[tuple[int, str]]:
@@ -112,13 +150,12 @@ def stamp(path: str) -> tuple[int, int]:
 
 
 def _key(path: str) -> str:
-  size, mtime = stamp(path)
-  return hashlib.sha1(f"{os.path.abspath(path)}|{size}|{mtime}".encode()).hexdigest()[:20]
+  return hashlib.sha1(version_key(path).encode()).hexdigest()[:20]
 
 
 def is_gzip(path: str) -> bool:
   """Whether the file starts with gzip's magic bytes."""
-  with open(path, "rb") as f:
+  with open(local_file(path), "rb") as f:
     return f.read(2) == b"\x1f\x8b"
 
 
@@ -126,26 +163,27 @@ def plain_copy(path: str, compression: str | None = None) -> str:
   """Returns a seekable uncompressed file for `path`, decompressing it once into the cache dir.
 
   Args:
-    path: the file.
+    path: the file (a bucket object: decompressed from its local copy).
     compression: 'GZIP', 'ZLIB', '' (none), or None: gzip when the name ends in `.gz`.
   """
   if compression is None:
     compression = "GZIP" if path.endswith(".gz") else ""
   if not compression:
-    return path
-  name = os.path.basename(path)
+    return local_file(path)
+  name = storage.basename(path)
   name = name[:-3] if name.endswith(".gz") else name + ".plain"
   out = os.path.join(cache_root(), "lines", f"{_key(path)}-{name}")
   if not os.path.exists(out):
     try:
+      source = local_file(path)
       with cache_path(out) as tmp, open(tmp, "wb") as dst:
         if compression == "GZIP":
-          with gzip.open(path, "rb") as src:
+          with gzip.open(source, "rb") as src:
             while block := src.read(_CHUNK):
               dst.write(block)
         else:  # ZLIB: one zlib stream, as TensorFlow's ZLIB record option writes
           inflate = zlib.decompressobj()
-          with open(path, "rb") as src:
+          with open(source, "rb") as src:
             while block := src.read(_CHUNK):
               dst.write(inflate.decompress(block))
           dst.write(inflate.flush())
@@ -264,7 +302,8 @@ def sample_digest(path: str) -> str:
   """A digest of a file's size and of 64 KiB read at 16 evenly spaced places (the first
   and last bytes included): it does not depend on the file's name, directory or mtime, so
   it stays the same when data is copied, and changes when a file is rewritten, appended
-  to or cut, without reading a large file whole."""
+  to or cut, without reading a large file whole. A bucket object: of its local copy."""
+  path = local_file(path)
   size = os.path.getsize(path)
   h = hashlib.blake2b(str(size).encode(), digest_size=10)
   block = 1 << 16

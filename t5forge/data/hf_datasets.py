@@ -19,6 +19,12 @@ without it, splits come from file names as HF infers them (`data/train-00000-of-
 `train.csv`, `valid/...`, `test-*.parquet`). The files are read by the split sources of
 `tabular` (Parquet, Arrow, CSV/TSV, JSON lines).
 
+A directory in a bucket (`gs://`, `s3://`: a save_to_disk directory or a copy of a repo) is
+read through one local copy of it (`storage.local_copy`: made once per listing of object
+versions, in the cache dir, made again when any object changes), since its Arrow files are
+memory-mapped; `data_files=` may name bucket objects and patterns, which the tabular
+sources read through their own local copies.
+
 Resolution is lazy: constructing the source (e.g. when a task module registers it) reads
 and downloads nothing; the first `get(split)` (or `splits` when not given) does.
 """
@@ -33,6 +39,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import PurePath
 from typing import Any
 
+from t5forge import storage
 from t5forge.data import sources, tabular
 from t5forge.errors import UserError
 
@@ -120,7 +127,9 @@ class HfDataSource(sources.DataSource):
     # Relative paths and patterns mean relative to where the source was made, as
     # `load_dataset` reads them at once; this source reads them later.
     self._cwd = os.getcwd()
-    if os.path.exists(os.path.expanduser(self._path)):
+    if storage.is_remote(self._path):
+      self._path = storage.normalize(self._path)
+    elif os.path.exists(os.path.expanduser(self._path)):
       self._path = os.path.abspath(os.path.expanduser(self._path))
     self._name = name
     self._revision = revision
@@ -168,6 +177,11 @@ class HfDataSource(sources.DataSource):
 
 def _resolve(path: str, name: str | None, revision: str | None, data_files: Any,
              cwd: str) -> _Layout:
+  if storage.is_remote(path):
+    if not storage.isdir(path):
+      raise UserError(f"HfDataSource: no directory {path} (give a save_to_disk directory or a "
+                      "copy of a dataset repo); check the path")
+    return _layout_of(storage.local_copy(path), f"directory {path}", name, data_files)
   local = os.path.expanduser(path)
   if path in _BUILDERS and not os.path.isdir(local):
     if data_files is None:
@@ -184,6 +198,10 @@ def _resolve(path: str, name: str | None, revision: str | None, data_files: Any,
   else:
     raise UserError(f"HfDataSource: no directory {local} and {path!r} is not a Hub dataset id "
                     "(owner/name); check the path")
+  return _layout_of(root, where, name, data_files)
+
+
+def _layout_of(root: str, where: str, name: str | None, data_files: Any) -> _Layout:
   if data_files is None and (os.path.isfile(os.path.join(root, "dataset_dict.json"))
                              or os.path.isfile(os.path.join(root, "state.json"))):
     if name is not None:
@@ -353,6 +371,8 @@ def _inferred_patterns(base: str) -> dict[str, list[str]]:
 def _glob(base: str, pattern: str) -> list[str]:
   """Files matching `pattern` under `base`, sorted; hidden files, `__*__` directories and
   dataset cards are left out unless the pattern names them (as HF's `resolve_pattern`)."""
+  if storage.is_remote(pattern):
+    return [p for p in storage.glob(pattern) if storage.isfile(p)]
   if os.path.isabs(pattern):
     return sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
   named = os.path.basename(pattern)

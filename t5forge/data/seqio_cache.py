@@ -14,11 +14,13 @@ and trains with `use_cached=True` and `--seqio_additional_cache_dirs=DIR`. Here 
 the cache in place of the source and skips the task's preprocessors up to its
 `CacheDatasetPlaceholder`, as SeqIO does. The cache's examples come in file order (SeqIO
 interleaves 16 shards; the task then shuffles them globally either way). A task name with
-':' is looked for in nested directories, as SeqIO's `get_task_dir_from_name`.
+'' is looked for in nested directories, as SeqIO's `get_task_dir_from_name`.
+
+DIR may be a bucket (`gs://` or `s3://`): the metadata is read from there and each shard
+read through its local copy (`files.local_file`, one per object version, in the cache dir).
 """
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import logging
@@ -28,6 +30,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 
+from t5forge import storage
 from t5forge.data import records, sources, tf_example
 from t5forge.data.array_records import ArrayRecordFiles
 from t5forge.errors import UserError
@@ -74,10 +77,10 @@ def find(task_name: str) -> str:
                     "cache_tasks_main wrote")
   incomplete = []
   for d in _cache_dirs:
-    path = os.path.join(d, task_dir(task_name))
-    if os.path.isfile(os.path.join(path, "COMPLETED")):
+    path = storage.join(d, task_dir(task_name))
+    if storage.isfile(storage.join(path, "COMPLETED")):
       return path
-    if os.path.isdir(path):
+    if storage.isdir(path):
       incomplete.append(path)
   if incomplete:
     raise UserError(f"{incomplete[0]}: the SeqIO cache of task {task_name!r} is incomplete (no "
@@ -90,10 +93,9 @@ def find(task_name: str) -> str:
 
 def _read_json(path: str) -> Any:
   try:
-    with open(path, encoding="utf-8") as f:
-      return json.load(f)
+    return json.loads(storage.read_text(path))
   except FileNotFoundError:
-    held = ", ".join(sorted(cached_splits(os.path.dirname(path)))) or "no split"
+    held = ", ".join(sorted(cached_splits(storage.dirname(path)))) or "no split"
     raise UserError(f"{path}: missing from the SeqIO cache (it holds: {held}); cache that split "
                     "with cache_tasks_main, or use the task without use_cached") from None
   except ValueError as e:
@@ -104,7 +106,8 @@ def _read_json(path: str) -> Any:
 def cached_splits(directory: str) -> list[str]:
   """The splits a task's cache directory holds (its `info.<split>.json` files)."""
   try:
-    return [m.group(1) for n in os.listdir(directory) if (m := re.match(r"info\.(.+)\.json$", n))]
+    return [m.group(1) for n in storage.listdir(directory)
+            if (m := re.match(r"info\.(.+)\.json$", n))]
   except OSError:
     return []
 
@@ -144,9 +147,9 @@ class CachedSplitSource(sources.SplitSource):
     self._dir = directory
     self._split = split
     self._vocab_sizes = dict(vocab_sizes or {})
-    info_path = os.path.join(directory, f"info.{split}.json")
+    info_path = storage.join(directory, f"info.{split}.json")
     info = _read_json(info_path)
-    stats = _read_json(os.path.join(directory, f"stats.{split}.json"))
+    stats = _read_json(storage.join(directory, f"stats.{split}.json"))
     try:
       features, num_shards = info["features"], int(info["num_shards"])
       self._count = int(stats["examples"])
@@ -171,8 +174,8 @@ class CachedSplitSource(sources.SplitSource):
 
   def _shards(self, num_shards: int) -> tuple[list[str], str]:
     for fmt in ("tfrecord", "array_record"):
-      pattern = os.path.join(self._dir, f"{self._split}.{fmt}-*-of-{num_shards:05d}")
-      paths = sorted(glob.glob(pattern))
+      pattern = storage.join(self._dir, f"{self._split}.{fmt}-*-of-{num_shards:05d}")
+      paths = storage.glob(pattern)
       if paths:
         if len(paths) != num_shards:
           raise UserError(f"{self._dir}: {len(paths)} of the {num_shards} {self._split!r} "

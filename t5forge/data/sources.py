@@ -18,7 +18,6 @@ import hashlib
 import inspect
 import json
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -27,7 +26,7 @@ import numpy as np
 
 from t5forge.data import tf_example
 from t5forge.data.array_records import ArrayRecordFiles
-from t5forge.data.files import LineFiles, expand_patterns, sample_digest, stamp
+from t5forge.data.files import LineFiles, expand_patterns, sample_digest, version_key
 from t5forge.errors import UserError
 
 
@@ -260,8 +259,7 @@ def describe_files(files: Sequence[str]) -> str:
 def files_fingerprint(files: Sequence[str]) -> str:
   h = hashlib.sha1()
   for path in files:
-    size, mtime = stamp(path)
-    h.update(f"{os.path.abspath(path)}|{size}|{mtime};".encode())
+    h.update(f"{version_key(path)};".encode())
   return h.hexdigest()[:20]
 
 

@@ -13,6 +13,10 @@ row's own bytes. So:
   `<cache dir>/tables/` (`files.cache_root()`), written to a temp name and renamed, keyed
   by the file's path, size and mtime; then mapped. A Parquet split's length comes from the
   footers, so `len` and `num_input_examples` convert nothing.
+* Files in a bucket (`gs://`, `s3://`; patterns too) are read through their local copy
+  (`files.local_file`: one per object version, in the cache dir, made again when the
+  generation / ETag changes), since mapping needs a local file; the converted copy is
+  keyed on the object's URL, size and version.
 
 Rows come back as HF `datasets` gives them with no format set: structs (`Translation`) as
 dicts, lists as lists, ClassLabel as its int. The class names of ClassLabel columns, from
@@ -36,8 +40,9 @@ from typing import Any
 
 import numpy as np
 
+from t5forge import storage
 from t5forge.data import sources
-from t5forge.data.files import cache_path, cache_root, expand_patterns, stamp
+from t5forge.data.files import cache_path, cache_root, expand_patterns, local_file, version_key
 from t5forge.errors import UserError
 
 # Part of the cache key of converted files: change it when the conversion changes.
@@ -184,10 +189,9 @@ def _schema_label_names(schema) -> dict[str, list[str]]:
 
 def _info_label_names(directory: str) -> dict[str, list[str]]:
   """ClassLabel names from the `dataset_info.json` that `save_to_disk` puts beside its files."""
-  path = os.path.join(directory, "dataset_info.json")
+  path = storage.join(directory, "dataset_info.json")
   try:
-    with open(path, encoding="utf-8") as f:
-      return label_names_from_features(json.load(f).get("features") or {})
+    return label_names_from_features(json.loads(storage.read_text(path)).get("features") or {})
   except (OSError, ValueError, AttributeError):
     return {}
 
@@ -225,7 +229,9 @@ class TableSource(sources.SplitSource):
     self._num_rows = sum(counts)
     labels = _schema_label_names(schemas[0]) if schemas else {}
     if not labels and self._files:
-      labels = _info_label_names(os.path.dirname(os.path.abspath(self._files[0])))
+      first = self._files[0]
+      labels = _info_label_names(storage.dirname(first) if storage.is_remote(first)
+                                 else os.path.dirname(os.path.abspath(first)))
     self.label_names: dict[str, list[str]] = {
         k: v for k, v in labels.items() if k.split(".")[0] in self._names}
 
@@ -233,7 +239,7 @@ class TableSource(sources.SplitSource):
 
   def _ipc_file(self, path: str) -> str:
     """The uncompressed Arrow IPC file holding `path`'s rows (converted if need be)."""
-    return path
+    return local_file(path)
 
   def _peek(self, f: int, path: str):
     """(number of rows, Arrow schema) of file `f`; by default by mapping it now."""
@@ -330,10 +336,9 @@ class TableSource(sources.SplitSource):
 
 
 def _table_cache_path(path: str, options: str) -> str:
-  size, mtime = stamp(path)
-  key = hashlib.sha1(f"{os.path.abspath(path)}|{size}|{mtime}|{options}|{_CONVERSION}".encode())
+  key = hashlib.sha1(f"{version_key(path)}|{options}|{_CONVERSION}".encode())
   return os.path.join(cache_root(), "tables",
-                      f"{key.hexdigest()[:20]}-{os.path.basename(path)}.arrow")
+                      f"{key.hexdigest()[:20]}-{storage.basename(path)}.arrow")
 
 
 def _converted(path: str, options: str, write: Callable[[str], None]) -> str:
@@ -370,7 +375,7 @@ class ParquetSource(TableSource):
     import pyarrow as pa  # noqa: PLC0415 (slow import, on first use)
     import pyarrow.parquet as pq  # noqa: PLC0415 (slow import, on first use)
     try:
-      with pq.ParquetFile(path) as pf:
+      with pq.ParquetFile(local_file(path)) as pf:
         return pf.metadata.num_rows, pf.schema_arrow
     except (pa.ArrowException, OSError) as e:
       raise UserError(f"{path}: not a readable Parquet file ({first_line(e)}); is it complete? "
@@ -383,7 +388,7 @@ class ParquetSource(TableSource):
     import pyarrow as pa  # noqa: PLC0415 (slow import, on first use)
     import pyarrow.parquet as pq  # noqa: PLC0415 (slow import, on first use)
     try:
-      with pq.ParquetFile(path) as pf:
+      with pq.ParquetFile(local_file(path)) as pf:
         schema = pf.schema_arrow
         if self._columns is not None:
           schema = pa.schema([schema.field(c) for c in self._columns], metadata=schema.metadata)
@@ -437,6 +442,7 @@ class CsvSource(TableSource):
   def _convert(self, path: str, tmp: str) -> None:
     import pyarrow as pa  # noqa: PLC0415 (slow import, on first use)
     import pyarrow.csv as pcsv  # noqa: PLC0415 (slow import, on first use)
+    source = local_file(path)
     parse = pcsv.ParseOptions(delimiter=self._delimiter, newlines_in_values=True)
     read = pcsv.ReadOptions(block_size=_CSV_BLOCK)
     types: dict[str, Any] = {}
@@ -444,7 +450,7 @@ class CsvSource(TableSource):
     # after integers, text after numbers) starts again with that column widened.
     while True:
       try:
-        reader = pcsv.open_csv(path, read_options=read, parse_options=parse,
+        reader = pcsv.open_csv(source, read_options=read, parse_options=parse,
                                convert_options=pcsv.ConvertOptions(column_types=types))
         _write_batches(tmp, reader.schema, reader)
         break
@@ -452,7 +458,7 @@ class CsvSource(TableSource):
         m = _CONVERSION_ERROR.search(str(e))
         if not m:
           raise UserError(self._csv_error(path, e)) from None
-        header = pcsv.open_csv(path, read_options=read, parse_options=parse).schema.names
+        header = pcsv.open_csv(source, read_options=read, parse_options=parse).schema.names
         name = header[int(m.group(1))]
         wider = pa.float64() if m.group(2).startswith(("int", "uint")) else pa.string()
         if types.get(name) == wider:
@@ -479,7 +485,7 @@ _CONVERSION_ERROR = re.compile(r"In CSV column #(\d+): .*CSV conversion error to
 def _odd_quotes(path: str) -> bool:
   import pyarrow as pa  # noqa: PLC0415 (slow import, on first use)
   count = 0
-  with pa.input_stream(path, compression="detect") as f:
+  with pa.input_stream(local_file(path), compression="detect") as f:
     while block := f.read(1 << 24):
       count += int(np.count_nonzero(np.frombuffer(block, np.uint8) == ord('"')))
   return count % 2 == 1
@@ -493,7 +499,7 @@ def _unbalanced_quote(path: str, delimiter: str) -> str | None:
   import pyarrow as pa  # noqa: PLC0415 (slow import, on first use)
   line = 1
   try:
-    with pa.input_stream(path, compression="detect") as raw:
+    with pa.input_stream(local_file(path), compression="detect") as raw:
       reader = csv.reader(io.TextIOWrapper(raw, encoding="utf-8", newline=""),
                           delimiter=delimiter, strict=True)
       for _ in reader:
@@ -524,9 +530,9 @@ def _convert_json(path: str, tmp: str) -> None:
   import pyarrow as pa  # noqa: PLC0415 (slow import, on first use)
   import pyarrow.json as pjson  # noqa: PLC0415 (slow import, on first use)
   try:
-    table = pjson.read_json(path)
+    table = pjson.read_json(local_file(path))
   except pa.ArrowInvalid as e:
-    with pa.input_stream(path, compression="detect") as f:
+    with pa.input_stream(local_file(path), compression="detect") as f:
       text = f.read().decode("utf-8", errors="replace")
     if not text.lstrip().startswith("["):
       raise UserError(f"{path}: cannot read as JSON lines ({first_line(e)}); "

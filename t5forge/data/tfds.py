@@ -20,6 +20,11 @@ TFDS's split grammar (`train[:10%]`, `train[-5%:]`, `train[3:17]`, `validation[1
 `train[:2%]+validation[:3]`, `all`) with TFDS's rounding; features as in `tfds_features`.
 `num_input_examples` comes from the recorded shard lengths, without reading the files.
 Nothing is downloaded or prepared.
+
+A data dir may be a bucket (`--tfds_data_dir=gs://bucket/tensorflow_datasets`, or
+`s3://`): the directories are listed there and the metadata read from there; each shard a
+split reads is copied once into the cache dir (`files.local_file`, per object version) and
+read from that copy, since both shard formats are read by random access.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from t5forge import storage
 from t5forge.data import records, sources, tfds_features
 from t5forge.data.array_records import ArrayRecordFiles
 from t5forge.errors import UserError
@@ -96,17 +102,17 @@ def _matches(version: str, pattern: str) -> bool:
 def _versions(directory: str) -> list[str]:
   """The prepared versions in a config directory, lowest first."""
   try:
-    names = os.listdir(directory)
+    names = storage.listdir(directory)
   except OSError:
     return []
-  found = [n for n in names if _version_key(n) and os.path.isdir(os.path.join(directory, n))]
+  found = [n for n in names if _version_key(n) and storage.isdir(storage.join(directory, n))]
   return sorted(found, key=_version_key)
 
 
 def _subdirs(directory: str) -> list[str]:
   try:
-    return sorted(n for n in os.listdir(directory) if os.path.isdir(os.path.join(directory, n))
-                  and not n.startswith("."))
+    return sorted(n for n in storage.listdir(directory)
+                  if not n.startswith(".") and storage.isdir(storage.join(directory, n)))
   except OSError:
     return []
 
@@ -125,12 +131,11 @@ def data_dirs(tfds_data_dir: str | None = None) -> list[str]:
 def _default_config(name_dir: str) -> str | None:
   """The config TFDS reads when none is named: `.config/metadata.json`'s default, or the
   only config present."""
-  meta = os.path.join(name_dir, ".config", "metadata.json")
+  meta = storage.join(name_dir, ".config", "metadata.json")
   try:
-    with open(meta, encoding="utf-8") as f:
-      default = json.load(f).get("default_config_name")
-      if default:
-        return default
+    default = json.loads(storage.read_text(meta)).get("default_config_name")
+    if default:
+      return default
   except (OSError, ValueError):
     pass
   configs = [c for c in _subdirs(name_dir) if not _version_key(c)]
@@ -146,20 +151,20 @@ def find_dataset(tfds_name: str, tfds_data_dir: str | None = None) -> str:
   name, config, version = _parse_name(tfds_name)
   seen = []
   for data_dir in data_dirs(tfds_data_dir):
-    name_dir = os.path.join(data_dir, name)
-    if not os.path.isdir(name_dir):
+    name_dir = storage.join(data_dir, name)
+    if not storage.isdir(name_dir):
       continue
     cfg = config if config is not None else (
         None if _versions(name_dir) else _default_config(name_dir))
-    config_dir = os.path.join(name_dir, cfg) if cfg else name_dir
+    config_dir = storage.join(name_dir, cfg) if cfg else name_dir
     present = _versions(config_dir)
     for v in reversed(present):
       if _matches(v, version):
-        return os.path.join(config_dir, v)
+        return storage.join(config_dir, v)
     configs = [c for c in _subdirs(name_dir) if not _version_key(c)]
     listing = []
     for c in configs:
-      listing.append(f"{name}/{c}:{','.join(_versions(os.path.join(name_dir, c))) or '-'}")
+      listing.append(f"{name}/{c}:{','.join(_versions(storage.join(name_dir, c))) or '-'}")
     if _versions(name_dir):
       listing.append(f"{name}:{','.join(_versions(name_dir))}")
     seen.append(f"{data_dir} has {'; '.join(listing) or 'no prepared version'}")
@@ -205,13 +210,12 @@ class DatasetInfo:
             .replace("{FILEFORMAT}", self.file_format)
             .replace("{SHARD_X_OF_Y}", f"{shard:05d}-of-{num:05d}")
             .replace("{SHARD_INDEX}", f"{shard:05d}").replace("{NUM_SHARDS}", f"{num:05d}"))
-    return os.path.join(self.directory, name)
+    return storage.join(self.directory, name)
 
 
 def _read_json(path: str, what: str) -> Any:
   try:
-    with open(path, "rb") as f:
-      raw = f.read()
+    raw = storage.read_bytes(path)
   except FileNotFoundError:
     raise UserError(f"{path}: missing; a prepared TFDS dataset directory holds {what} (prepare "
                     "it again with `tfds build`, or copy the whole version directory)") from None
@@ -224,9 +228,9 @@ def _read_json(path: str, what: str) -> Any:
 
 def read_info(directory: str) -> DatasetInfo:
   """Reads a prepared version directory's metadata (no shard is opened)."""
-  info_path = os.path.join(directory, "dataset_info.json")
+  info_path = storage.join(directory, "dataset_info.json")
   info, raw_info = _read_json(info_path, "dataset_info.json")
-  feats_path = os.path.join(directory, "features.json")
+  feats_path = storage.join(directory, "features.json")
   feats, raw_feats = _read_json(feats_path, "features.json")
   try:
     name = info["name"]
@@ -369,8 +373,8 @@ class TfdsSplitSource(sources.SplitSource):
   def _open(self, split: str, shards: Sequence[int], lengths: Sequence[int]):
     paths = [self._info.shard_path(split, k) for k in shards]
     for path in paths:
-      if not os.path.isfile(path):
-        present = sorted(n for n in os.listdir(self._info.directory) if f"-{split}." in n)
+      if not storage.isfile(path):
+        present = [n for n in storage.listdir(self._info.directory) if f"-{split}." in n]
         raise UserError(f"{path}: shard missing from the prepared dataset (found "
                         f"{len(present)} {split!r} shard file(s)); copy the whole version "
                         "directory again")
@@ -391,10 +395,12 @@ class TfdsSplitSource(sources.SplitSource):
     return self._info.decoder(reader.read(j), reader.where(j))
 
   def fingerprint(self):
-    return f"{os.path.abspath(self._info.directory)}:{self._info.digest}:{self._spec}"
+    directory = self._info.directory
+    where = directory if storage.is_remote(directory) else os.path.abspath(directory)
+    return f"{where}:{self._info.digest}:{self._spec}"
 
   def content_fingerprint(self):
-    sizes = [os.path.getsize(self._info.shard_path(s, k)) for s, _, _ in self._ranges
+    sizes = [storage.info(self._info.shard_path(s, k))["size"] for s, _, _ in self._ranges
              for k in range(len(self._info.splits[s].shard_lengths))]
     return f"{self._info.digest}:{self._ranges}:{hashlib.sha1(repr(sizes).encode()).hexdigest()[:12]}"
 

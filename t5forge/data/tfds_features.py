@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import zlib
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
+from t5forge import storage
 from t5forge.data import tf_example
 from t5forge.errors import UserError
 
@@ -149,10 +149,9 @@ def class_labels(spec: Mapping[str, Any], directory: str, name: str = "") -> dic
   elif cls == "Sequence":
     out.update(class_labels(content["feature"], directory, name))
   elif cls == "ClassLabel":
-    path = os.path.join(directory, name.replace("/", "-") + ".labels.txt")
-    if os.path.exists(path):
-      with open(path, encoding="utf-8") as f:
-        out[name] = [line.strip() for line in f.read().split("\n") if line.strip()]
+    path = storage.join(directory, name.replace("/", "-") + ".labels.txt")
+    if storage.exists(path):
+      out[name] = [line.strip() for line in storage.read_text(path).split("\n") if line.strip()]
   return out
 
 

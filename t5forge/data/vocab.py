@@ -18,6 +18,10 @@ the first EOS is dropped, and pad/eos decode to nothing.
 
 Vocabularies are picklable and cheap to copy: a SentencePiece vocabulary pickles
 as `(path, extra_ids)` and reloads its model lazily (Grain workers need this).
+
+A model file in a bucket (`gs://`, `s3://`) is read through its local copy
+(`files.local_file`, one per object version, in the cache dir); `path` stays the URL
+(messages, pickles), `local_path` is the file that is read.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from t5forge import files as t5files
+from t5forge import storage
 from t5forge.data import files as files_lib
 from t5forge.errors import UserError
 
@@ -143,15 +148,21 @@ class SentencePieceVocabulary(Vocabulary):
   def __init__(self, path: str | os.PathLike, extra_ids: int = 0):
     super().__init__(extra_ids)
     self._path = os.fspath(path)
-    if not os.path.isfile(self._path):
+    if not storage.isfile(self._path):
       raise UserError(f"SentencePiece model not found: {self._path}; pass the path of a .model "
                       "file (`t5forge vocab train` makes one)")
+    self._local = files_lib.local_file(self._path)
     self._processor = None
     self._lock = threading.Lock()
 
   @property
   def path(self) -> str:
     return self._path
+
+  @property
+  def local_path(self) -> str:
+    """A local file holding the model: `path`, or its cached copy for a bucket object."""
+    return self._local
 
   def __getstate__(self):
     # Only (path, extra_ids) travel to Grain workers; the processor reloads lazily.
@@ -178,11 +189,12 @@ class SentencePieceVocabulary(Vocabulary):
     if self._processor is None:
       with self._lock:
         if self._processor is None:
-          self._processor = _load_processor(self._path, self._extra_ids, _file_stamp(self._path))
+          self._processor = _load_processor(self._local, self._extra_ids,
+                                            _file_stamp(self._local), self._path)
     return self._processor
 
   def _model_digest(self) -> str:
-    return _file_md5(self._path, _file_stamp(self._path))
+    return _file_md5(self._local, _file_stamp(self._local))
 
   def fingerprint(self) -> str:
     return f"spm:{self._model_digest()}:{self.extra_ids}"
@@ -239,13 +251,14 @@ _LOAD_LOCK = threading.Lock()
 
 
 @functools.lru_cache(maxsize=16)
-def _load_processor(path: str, extra_ids: int, stamp: tuple[int, int]):
-  """Loads the model and appends the sentinel pieces (cached per file version)."""
+def _load_processor(local: str, extra_ids: int, stamp: tuple[int, int], path: str):
+  """Loads the model file `local` and appends the sentinel pieces (cached per file
+  version); messages name `path`, what the user gave."""
   del stamp
   import sentencepiece as spm  # noqa: PLC0415 (slow import, on first use)
   from sentencepiece import sentencepiece_model_pb2 as model_pb2  # noqa: PLC0415 (slow import, on first use)
 
-  with open(path, "rb") as f:
+  with open(local, "rb") as f:
     blob = f.read()
   proto = model_pb2.ModelProto()
   try:
@@ -285,8 +298,9 @@ class TokenizersVocabulary(Vocabulary):
   def __init__(self, path: str | os.PathLike, eos_id: int = EOS_ID, bos_id: int | None = None):
     super().__init__(0)
     self._path = os.fspath(path)
-    if not os.path.isfile(self._path):
+    if not storage.isfile(self._path):
       raise UserError(f"tokenizer.json not found: {self._path}")
+    self._local = files_lib.local_file(self._path)
     self._eos, self._bos = int(eos_id), (None if bos_id is None else int(bos_id))
     self._tokenizer = None
     self._lock = threading.Lock()
@@ -294,6 +308,11 @@ class TokenizersVocabulary(Vocabulary):
   @property
   def path(self) -> str:
     return self._path
+
+  @property
+  def local_path(self) -> str:
+    """A local file holding tokenizer.json: `path`, or its cached copy for a bucket object."""
+    return self._local
 
   def __getstate__(self):
     return {"path": self._path, "eos_id": self._eos, "bos_id": self._bos}
@@ -312,7 +331,7 @@ class TokenizersVocabulary(Vocabulary):
     return f"TokenizersVocabulary({self._path!r}, eos_id={self._eos}, bos_id={self._bos})"
 
   def fingerprint(self) -> str:
-    return f"tok:{_file_md5(self._path, _file_stamp(self._path))}:{self._eos}:{self._bos}"
+    return f"tok:{_file_md5(self._local, _file_stamp(self._local))}:{self._eos}:{self._bos}"
 
   @property
   def tokenizer(self):
@@ -322,7 +341,7 @@ class TokenizersVocabulary(Vocabulary):
         if self._tokenizer is None:
           from tokenizers import Tokenizer  # noqa: PLC0415 (slow or optional import, on first use)
           try:
-            self._tokenizer = Tokenizer.from_file(self._path)
+            self._tokenizer = Tokenizer.from_file(self._local)
           except Exception as e:  # noqa: BLE001 (tokenizers raises its own Exception type)
             raise UserError(f"{self._path}: not a tokenizers tokenizer.json ({e})") from None
     return self._tokenizer
@@ -337,7 +356,7 @@ class TokenizersVocabulary(Vocabulary):
 
   @functools.cached_property
   def unk_id(self) -> int | None:
-    with open(self._path, encoding="utf-8") as f:
+    with open(self._local, encoding="utf-8") as f:
       model = json.load(f).get("model") or {}
     if model.get("unk_id") is not None:  # Unigram
       return int(model["unk_id"])

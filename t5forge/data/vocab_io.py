@@ -22,6 +22,7 @@ import os
 import re
 from typing import Callable
 
+from t5forge import storage
 from t5forge.data import files
 from t5forge.data.vocab import (ByteVocabulary, PassThroughVocabulary, SentencePieceVocabulary,
                                 TokenizersVocabulary, Vocabulary)
@@ -36,14 +37,14 @@ def to_spec(vocab: Vocabulary | None) -> dict | None:
   if vocab is None:
     return None
   if isinstance(vocab, SentencePieceVocabulary):
-    with open(vocab.path, "rb") as f:
+    with open(vocab.local_path, "rb") as f:
       blob = f.read()
     return {"type": "sentencepiece", "extra_ids": vocab.extra_ids, "name": _label(vocab),
             "model_base64": base64.b64encode(blob).decode("ascii")}
   if isinstance(vocab, ByteVocabulary):
     return {"type": "byte", "extra_ids": vocab.extra_ids}
   if isinstance(vocab, TokenizersVocabulary):
-    with open(vocab.path, "rb") as f:
+    with open(vocab.local_path, "rb") as f:
       blob = f.read()
     return {"type": "tokenizers", "eos_id": vocab.eos_id, "bos_id": vocab.bos_id,
             "name": _label(vocab), "json_base64": base64.b64encode(blob).decode("ascii")}
@@ -83,7 +84,7 @@ def from_model_file(path: str, config) -> SentencePieceVocabulary:
   """A SentencePiece .model given on the command line (--vocabulary) for a model of
   `config`: with T5's 100 extra ids (sentinels), or none for T5Gemma, whose Gemma
   tokenizer has no sentinels (its config's vocab_size is the tokenizer's size)."""
-  if not os.path.isfile(path):
+  if not storage.isfile(path):
     raise UserError(f"--vocabulary {path}: no such file; give a SentencePiece .model")
   gemma = str(getattr(config, "architecture", "")).startswith("t5gemma")
   return SentencePieceVocabulary(path, extra_ids=0 if gemma else 100)
@@ -155,7 +156,7 @@ def _mismatch(a: Vocabulary | None, b: Vocabulary | None) -> str | None:
   if isinstance(a, SentencePieceVocabulary) and isinstance(b, SentencePieceVocabulary):
     if a.extra_ids != b.extra_ids:
       return f"; extra_ids {a.extra_ids} vs {b.extra_ids}"
-    if a == b or _sentencepiece_core(a.path) == _sentencepiece_core(b.path):
+    if a == b or _sentencepiece_core(a.local_path) == _sentencepiece_core(b.local_path):
       return None
     return "" if describe(a) != describe(b) else ", the same size but other pieces"
   if type(a) is type(b) and a == b:
