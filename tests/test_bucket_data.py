@@ -17,7 +17,7 @@ from t5forge.cli import data_flags
 from t5forge.data import preprocessors as pre
 from t5forge.data import seqio_cache, tfds, vocab_io
 from t5forge.data.hf_datasets import HfDataSource
-from t5forge.data.tabular import ParquetDataSource
+from t5forge.data.tabular import ArrowDataSource, CsvDataSource, ParquetDataSource
 from t5forge.errors import UserError
 
 FORMATS = os.path.join(SHARED, "testdata", "formats")
@@ -103,6 +103,16 @@ def test_tfds_dirs_seqio_cache_and_vocabulary_on_a_bucket(bucket_env, cache):
   assert _rows(source.get("v")) == EXPECTED["tfds"]["tfrecord"]["examples"]["validation[1shard:]"]
   with pytest.raises(UserError, match=r"--tfds_data_dir=.*/nothing-here: no such directory"):
     data_flags.apply(storage.join(bucket, "nothing-here"), None)
+  with pytest.raises(UserError, match=r"nope-missing-bucket: the bucket does not exist"):
+    data_flags.apply(f"{emu.scheme}://nope-missing-bucket/tfds", None)
+  # ArrayRecord shards named by a bucket pattern (ArrayRecordDataSource), as TFDS reads them.
+  shards = storage.join(bucket, "tfds_array_record", "bible_verses", "en_es", "1.0.0",
+                        "bible_verses-validation.array_record-*")
+  remote_records = seqio.ArrayRecordDataSource({"v": shards}, decode="tf_example").get("v")
+  local_records = seqio.ArrayRecordDataSource(
+      {"v": os.path.join(FORMATS, "tfds_array_record", "bible_verses", "en_es", "1.0.0",
+                         "bible_verses-validation.array_record-*")}, decode="tf_example").get("v")
+  assert len(remote_records) == 240 and _rows(remote_records) == _rows(local_records)
 
   # The vocabulary, read from the bucket: the same ids as the local model; saved with a
   # checkpoint it travels as the same bytes.
@@ -161,6 +171,9 @@ def test_tfrecord_parquet_and_save_to_disk_on_a_bucket(bucket_env, cache):
   for split in ("train", "validation"):
     assert _rows(parquet.get(split)) == hf["examples"][split] == _rows(local.get(split))
     assert parquet.get(split).label_names == hf["label_names"]
+  arrow = ArrowDataSource({"train": storage.join(bucket, "hf_save_to_disk", "train",
+                                                 "data-*.arrow")})
+  assert _rows(arrow.get("train")) == hf["examples"]["train"]
   saved = HfDataSource(storage.join(bucket, "hf_save_to_disk"))
   assert saved.splits == ("train", "validation")
   for split in saved.splits:
@@ -190,6 +203,8 @@ def test_text_tsv_jsonl_patterns_across_objects(bucket_env, cache, tmp_path):
       f.write("".join(f"{r}\tout {r}\n" for r in rows if r))
     (local / f"rows-{part}.jsonl").write_text(
         "".join(json.dumps({"text": r, "n": len(r)}) + "\n" for r in rows if r))
+    (local / f"table-{part}.csv").write_text(
+        "text,n\n" + "".join(f'"{r}, quoted",{len(r)}\n' for r in rows if r))
   storage.upload_tree(str(local), storage.join(bucket, "data"))
   remote = storage.join(bucket, "data")
   for make, pattern in [
@@ -200,6 +215,9 @@ def test_text_tsv_jsonl_patterns_across_objects(bucket_env, cache, tmp_path):
     got = _rows(make(storage.join(remote, pattern)).get("train"))
     assert got == _rows(make(str(local / pattern)).get("train")), pattern
     assert len(got) == 4
+  csv_rows = _rows(CsvDataSource({"train": storage.join(remote, "table-*.csv")}).get("train"))
+  assert csv_rows == _rows(CsvDataSource({"train": str(local / "table-*.csv")}).get("train"))
+  assert csv_rows[0] == {"text": "first line, quoted", "n": 10}
   assert _rows(seqio.TextLineDataSource({"train": storage.join(remote, "text-*.txt")})
                .get("train"))[2] == {"text": "third line"}
   # A rewritten object is a new version: read again, fingerprint changed.

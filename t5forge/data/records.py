@@ -10,6 +10,8 @@ the byte offset and length of each in an index, cached in the cache dir (never b
 data) and rebuilt when the file changes (as `files.LineFiles` does for text); reading
 record i is then one `os.pread` (its data checksum verified again). GZIP and ZLIB files
 (TensorFlow's `compression_type`) are decompressed once into the cache dir.
+A file in a bucket (`gs://`, `s3://`; patterns too) is read through its local copy
+(`files.local_file`, one per object version), and its index keyed on that version.
 
 Sources:
   `TFRecordDataSource(split_to_filepattern, decode=None)`: raw records, `{"record": bytes}`
