@@ -302,7 +302,15 @@ def isdir(path: str) -> bool:
   if not key:
     return bool(call(path, "stat", lambda: fs.exists(_fs_path(path))))
   fs.invalidate_cache(_fs_path(path))
-  return bool(call(path, "list", lambda: fs.isdir(_fs_path(path))))
+
+  def stat() -> bool:
+    # Not fs.isdir: gcsfs answers False for any OSError, a refused connection included.
+    try:
+      return fs.info(_fs_path(path)).get("type") == "directory"
+    except FileNotFoundError:
+      return False
+
+  return bool(call(path, "list", stat))
 
 
 def isfile(path: str) -> bool:

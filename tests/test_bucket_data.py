@@ -249,3 +249,11 @@ def test_network_gone_mid_read_is_one_line_naming_the_object(bucket_env, cache, 
   assert "\n" not in msg and "failed after 2 tries" in msg, msg
   assert f"{bucket}/tfds_tfrecord/bible_verses/en_es/1.0.0/bible_verses-train.tfrecord-00000" \
       in msg, msg
+  # Looking the dataset up while the network is gone says so; not "not prepared".
+  monkeypatch.setenv("T5FORGE_STORAGE_RETRIES", "1")
+  with pytest.raises(UserError) as e:
+    seqio.TfdsDataSource(NAME, tfds_data_dir=storage.join(bucket, "tfds_tfrecord")
+                         ).num_input_examples("train")
+  msg = str(e.value)
+  assert "\n" not in msg and "failed after 1 tries" in msg and "not prepared" not in msg, msg
+  assert f"{bucket}/tfds_tfrecord/bible_verses" in msg, msg
