@@ -6,6 +6,7 @@ import collections
 import gzip
 import json
 import os
+import pickle
 
 import numpy as np
 import pytest
@@ -220,6 +221,13 @@ def test_text_tsv_jsonl_patterns_across_objects(bucket_env, cache, tmp_path):
   assert csv_rows[0] == {"text": "first line, quoted", "n": 10}
   assert _rows(seqio.TextLineDataSource({"train": storage.join(remote, "text-*.txt")})
                .get("train"))[2] == {"text": "third line"}
+  # A Grain worker gets the source pickled: it reopens the objects by URL.
+  tsv = seqio.TsvDataSource({"train": storage.join(remote, "pairs-*.tsv.gz")}).get("train")
+  assert _rows(pickle.loads(pickle.dumps(tsv))) == _rows(tsv)
+  # Messages name the object, with its line number.
+  storage.write_bytes(storage.join(remote, "bad.jsonl"), b'{"text": "ok"}\n{"text": \n')
+  with pytest.raises(UserError, match=r"^\w+://[^ ]+/data/bad\.jsonl:2: invalid JSON"):
+    seqio.JsonlDataSource({"train": storage.join(remote, "bad.jsonl")}).get("train")[1]
   # A rewritten object is a new version: read again, fingerprint changed.
   src = seqio.TextLineDataSource({"train": storage.join(remote, "text-b.txt")})
   fp = src.get("train").fingerprint()
