@@ -175,6 +175,9 @@ def test_tfrecord_parquet_and_save_to_disk_on_a_bucket(bucket_env, cache):
   arrow = ArrowDataSource({"train": storage.join(bucket, "hf_save_to_disk", "train",
                                                  "data-*.arrow")})
   assert _rows(arrow.get("train")) == hf["examples"]["train"]
+  by_files = HfDataSource("parquet", data_files={
+      "validation": storage.join(bucket, "hf_parquet", "valid*.parquet")})
+  assert _rows(by_files.get("validation")) == hf["examples"]["validation"]
   saved = HfDataSource(storage.join(bucket, "hf_save_to_disk"))
   assert saved.splits == ("train", "validation")
   for split in saved.splits:
