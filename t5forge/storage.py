@@ -21,7 +21,10 @@ again only when the object's generation / ETag changes.
 Credentials and endpoints are the clouds' own: application-default credentials or
 GOOGLE_APPLICATION_CREDENTIALS for GCS, AWS_PROFILE / AWS_ACCESS_KEY_ID for S3;
 STORAGE_EMULATOR_HOST and AWS_ENDPOINT_URL point them at an emulator. The clients are an
-optional extra: `pip install 't5forge[gcs]'` or `'t5forge[s3]'`.
+optional extra: `pip install 't5forge[gcs]'` or `'t5forge[s3]'`. A request that fails on
+the network is tried T5FORGE_STORAGE_RETRIES times in all (default 4) with backoff, each
+try waiting at most T5FORGE_STORAGE_TIMEOUT_S seconds (default 60) for an answer, and then
+named in one line.
 """
 from __future__ import annotations
 
@@ -181,11 +184,16 @@ def filesystem(path: str):
       raise StorageError(f"{path}: {s}:// paths need the {package} package; install it with "
                          f"pip install 't5forge[{extra}]'") from None
     _check_credentials(s, path)
+    timeout = _timeout()
     if s == "gs":
       fs = module.GCSFileSystem(token="anon" if emulator(s) else None,
-                                skip_instance_cache=True)
+                                skip_instance_cache=True, requests_timeout=timeout)
     else:
-      fs = module.S3FileSystem(skip_instance_cache=True)
+      # botocore's own retries (5, each waiting out a 60 s read timeout) would stack under
+      # ours (`call`): one try per request here, retried with backoff there.
+      fs = module.S3FileSystem(skip_instance_cache=True, config_kwargs={
+          "connect_timeout": min(10.0, timeout), "read_timeout": timeout,
+          "retries": {"max_attempts": 1, "mode": "standard"}})
     _filesystems[key] = fs
     return fs
 
@@ -203,6 +211,13 @@ def _fs_path(url: str) -> str:
 
 
 # ---------------------------------------------------------------------- errors, retry
+
+def _timeout() -> float:
+  try:
+    return max(1.0, float(os.environ.get("T5FORGE_STORAGE_TIMEOUT_S", "60")))
+  except ValueError:
+    raise UserError("T5FORGE_STORAGE_TIMEOUT_S: expected seconds, e.g. 60") from None
+
 
 def _retries() -> int:
   try:
@@ -291,7 +306,17 @@ def exists(path: str) -> bool:
   if not is_remote(path):
     return os.path.exists(path)
   fs = filesystem(path)
-  return bool(call(path, "stat", lambda: fs.exists(_fs_path(path))))
+  fs.invalidate_cache(_fs_path(path))
+
+  def stat() -> bool:
+    # Not fs.exists: fsspec answers False for any error, a refused connection included.
+    try:
+      fs.info(_fs_path(path))
+      return True
+    except FileNotFoundError:
+      return False
+
+  return bool(call(path, "stat", stat))
 
 
 def isdir(path: str) -> bool:
