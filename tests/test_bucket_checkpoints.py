@@ -5,6 +5,7 @@ the emulator's outage cuts short committed nowhere, and every reader opening buc
 checkpoints (a MODEL_DIR, an HF directory) to the same logits as their local copies."""
 import collections
 import os
+import socket
 
 import jax
 import numpy as np
@@ -13,8 +14,14 @@ import pytest
 from t5forge import storage
 from t5forge.convert import manifest, native
 from t5forge.errors import UserError
-from t5forge.train.checkpoint import Checkpointer
-from t5forge.train.settings import SaveCheckpointConfig
+from t5forge.data import vocab_io
+from t5forge.data.vocab import SentencePieceVocabulary
+from t5forge.nn import init_params
+from t5forge.train.checkpoint import Checkpointer, initial_params
+from t5forge.train.settings import RestoreCheckpointConfig, SaveCheckpointConfig
+from train_helpers import ROOT
+
+BUNDLED = os.path.join(ROOT, "t5forge", "data", "bundled")
 
 State = collections.namedtuple("State", "params opt_state")
 
@@ -125,16 +132,23 @@ def test_a_damaged_checkpoint_falls_back_to_the_previous_one_with_a_note(bucket_
 def tiny_model_dir(tmp_path_factory):
   """A local MODEL_DIR with checkpoint_3 of a tiny random t5.1.1 model (a training run's
   layout: params, opt_state, config, data_iter, manifest)."""
-  import t5forge
-  from t5forge.nn import init_params
-  config = t5forge.presets.get("t5_1_1.tiny", vocab_size=128)
+  config = _tiny_config()
   params = init_params(config, jax.random.key(7))
   model_dir = str(tmp_path_factory.mktemp("tiny") / "run")
   ck = Checkpointer(model_dir, SaveCheckpointConfig())
   ck.save(3, State(params, {"count": jax.numpy.zeros((), jax.numpy.int32)}),
-          config_item={"model": config.to_dict()})
+          config_item={"model": config.to_dict(), "vocabulary": vocab_io.to_spec(_vocab())})
   ck.close()
   return model_dir
+
+
+def _vocab():
+  return SentencePieceVocabulary(os.path.join(BUNDLED, "bible_en_es_8k.model"), extra_ids=100)
+
+
+def _tiny_config():
+  import t5forge
+  return t5forge.presets.get("t5_1_1.tiny", vocab_size=_vocab().vocab_size)
 
 
 def _tokens():
@@ -166,8 +180,21 @@ def test_load_a_bucket_model_dir_and_its_checkpoint_equals_the_local_copy(bucket
     np.testing.assert_array_equal(model.logits(*_tokens()), want)
   loaded = convert.load_checkpoint(url)
   assert loaded.step == 3 and loaded.format == convert.T5FORGE
+  assert convert.from_checkpoint(url).vocab_size == _vocab().vocab_size
   with pytest.raises(UserError, match="no such file or directory"):
     paths.resolve(bucket + "/nothing-here")
+
+
+def test_initial_checkpoint_path_in_a_bucket(bucket_env, tiny_model_dir):
+  _, bucket = bucket_env
+  url = bucket + "/init/run"
+  storage.copy_tree(tiny_model_dir, url)
+  config = _tiny_config()
+  params, step, scratch, notes = initial_params(
+      RestoreCheckpointConfig(path=url), init_params(config, jax.random.key(0)),
+      model_config=config)
+  assert step == 3 and not scratch and not notes
+  assert _equal(params, init_params(config, jax.random.key(7)))
 
 
 def test_load_an_hf_directory_in_a_bucket_equals_the_local_copy(bucket_env, hf_dirs):
@@ -180,3 +207,42 @@ def test_load_an_hf_directory_in_a_bucket_equals_the_local_copy(bucket_env, hf_d
   np.testing.assert_array_equal(_logits(url), _logits(local))
   loaded = convert.load_checkpoint(url)
   assert loaded.format == convert.HF
+
+
+@pytest.mark.slow  # the clients' own retries run out first (gcsfs: ~35 s)
+def test_an_outage_during_a_save_commits_nothing_and_a_resume_reads_the_previous(
+    bucket_env, monkeypatch):
+  emu, bucket = bucket_env
+  monkeypatch.setenv("T5FORGE_STORAGE_RETRIES", "1")
+  monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+  url = _run(bucket + "/run", steps=(2,))
+  ck = Checkpointer(url, SaveCheckpointConfig(async_save=False))
+  # GCS: the emulator killed (its data stays on disk). moto keeps its buckets in memory
+  # only, and one stopped (SIGSTOP) leaves each request to run through minutes of client
+  # read timeouts; so for S3 the client is pointed at a closed port: connections refused,
+  # as by a killed emulator, while the bucket lives on.
+  if emu.scheme == "gs":
+    emu.stop()
+  else:
+    with socket.socket() as s:
+      s.bind(("127.0.0.1", 0))
+      monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{s.getsockname()[1]}")
+  try:
+    with pytest.raises(storage.StorageError) as e:
+      _save(ck, 4)
+  finally:
+    if emu.scheme == "gs":
+      emu.start()
+    else:
+      monkeypatch.setenv("AWS_ENDPOINT_URL", emu.endpoint)
+  line = str(e.value)
+  assert "\n" not in line and f"{native.step_dir(url, 4)}" in line, line
+  # (the failed Checkpointer is dropped, as the run that held it exits)
+  assert native.checkpoint_steps(url) == [2]  # nothing of step 4 committed
+  assert not storage.exists(storage.join(native.step_dir(url, 4), manifest.MANIFEST))
+  resumed = Checkpointer(url, SaveCheckpointConfig())
+  step, (params, _, _) = resumed.restore_latest(_abstract(_state(0)))
+  assert step == 2 and _equal(params, _state(2).params)
+  _save(resumed, 4)
+  resumed.close()
+  assert native.checkpoint_steps(url) == [2, 4] and manifest.verify(native.step_dir(url, 4)) is None

@@ -204,9 +204,12 @@ class Checkpointer:
     if best:
       scored = []
       for step in steps:
-        meta = json.loads(storage.read_bytes(storage.join(self.step_dir(step),
-                                                          manifest.ORBAX_METADATA)))
-        value = (meta.get("metrics") or {}).get(cfg.best_metric)
+        try:
+          meta = json.loads(storage.read_bytes(storage.join(self.step_dir(step),
+                                                            manifest.ORBAX_METADATA)))
+          value = (meta.get("metrics") or {}).get(cfg.best_metric)
+        except (FileNotFoundError, ValueError, AttributeError):
+          value = None  # damaged: no metric, as Orbax treats it
         if value is not None:
           scored.append((float(value), step))
       scored.sort(reverse=cfg.best_mode == "max")
@@ -250,6 +253,10 @@ class Checkpointer:
     data_item = {"num_processes": jax.process_count(), "states": multihost.gather_json(data_state)}
     self._finish()  # the previous save's callback still reads _saving
     self._saving = self.step_dir(step)
+    if self.scheme == "gs":
+      # One request through storage first: a bucket out of reach is then a one-line
+      # error before Orbax starts TensorStore writes, which retry for many minutes.
+      storage.exists(storage.join(self._saving, manifest.MANIFEST))
     self._extra_files = dict(extra_files or {})
     self._orbax(lambda: self._mngr.save(step, args=ocp.args.Composite(**{
         native.PARAMS: ocp.args.StandardSave(state.params),
