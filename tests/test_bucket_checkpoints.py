@@ -246,3 +246,15 @@ def test_an_outage_during_a_save_commits_nothing_and_a_resume_reads_the_previous
   _save(resumed, 4)
   resumed.close()
   assert native.checkpoint_steps(url) == [2, 4] and manifest.verify(native.step_dir(url, 4)) is None
+
+
+def test_a_t5x_checkpoint_in_a_bucket_reads_as_the_local_file(bucket_env):
+  from conftest import T5X_FIXTURE
+  from t5forge import convert
+  _, bucket = bucket_env
+  url = bucket + "/t5x/" + os.path.basename(T5X_FIXTURE)
+  storage.upload(T5X_FIXTURE, url)
+  assert convert.detect_format(url) == convert.T5X
+  remote, local = convert.load_checkpoint(url), convert.load_checkpoint(T5X_FIXTURE)
+  assert remote.format == convert.T5X and remote.step == local.step
+  assert _equal(remote.params, local.params)
