@@ -181,6 +181,17 @@ def test_load_a_bucket_model_dir_and_its_checkpoint_equals_the_local_copy(bucket
   loaded = convert.load_checkpoint(url)
   assert loaded.step == 3 and loaded.format == convert.T5FORGE
   assert convert.from_checkpoint(url).vocab_size == _vocab().vocab_size
+  # Written by a Checkpointer on the bucket itself (on gs:// a manifest of object
+  # checksums, read in place), the same.
+  saved = bucket + "/saved"
+  ck = Checkpointer(saved, SaveCheckpointConfig())
+  ck.save(5, State(init_params(_tiny_config(), jax.random.key(7)),
+                   {"count": jax.numpy.zeros((), jax.numpy.int32)}),
+          config_item={"model": _tiny_config().to_dict()})
+  ck.close()
+  model = __import__("t5forge").load(saved)
+  assert model.checkpoint.step == 5 and model.checkpoint.format == convert.T5FORGE
+  np.testing.assert_array_equal(model.logits(*_tokens()), want)
   with pytest.raises(UserError, match="no such file or directory"):
     paths.resolve(bucket + "/nothing-here")
 
