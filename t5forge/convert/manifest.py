@@ -112,7 +112,7 @@ def write_objects(directory: str, extra_files: dict[str, str] | None = None) -> 
                  "version": o["version"]}
            for rel, o in sorted(storage.object_checksums(directory).items())
            if rel not in unlisted}
-  data = json.dumps({"format": 1, "hash": OBJECT, "files": files}, indent=1, sort_keys=True)
+  data = json.dumps({"format": 1, "hash": OBJECT, "files": files}, indent=1)
   storage.write_bytes(storage.join(directory, MANIFEST), (data + "\n").encode("utf-8"))
 
 
@@ -161,16 +161,14 @@ def _damage(directory: str, problems: list[str]) -> None:
     raise CheckpointDamaged(directory, problems[0] + more)
 
 
-def _verify_objects(directory: str) -> None:
-  """`verify` of a checkpoint under a bucket prefix, from one listing of it."""
+def _verify_objects(directory: str, recorded: dict) -> None:
+  """`verify` of a checkpoint under a bucket prefix (its manifest `recorded`), from one
+  listing of it."""
   try:
-    recorded = json.loads(storage.read_bytes(storage.join(directory, MANIFEST)))
     files = recorded["files"]
     if not isinstance(files, dict):
       raise TypeError(f"'files' is a {type(files).__name__}")
-  except FileNotFoundError:
-    raise CheckpointDamaged(directory, f"{MANIFEST} (its commit marker) is missing") from None
-  except (ValueError, KeyError, TypeError) as e:
+  except (KeyError, TypeError) as e:
     raise CheckpointDamaged(directory, f"{MANIFEST} is unreadable ({type(e).__name__})") from None
   have = storage.object_checksums(directory)
   problems = []
@@ -213,16 +211,17 @@ def verify(directory: str) -> str | None:
       wrong with it (missing, other size, other content), and how many more there are.
   """
   if storage.is_remote(directory):
-    url = storage.join(directory, MANIFEST)
-    hash_name = None
-    if storage.isfile(url):
-      try:
-        hash_name = json.loads(storage.read_bytes(url)).get("hash")
-      except (ValueError, AttributeError):
-        hash_name = "unreadable"  # the check of the local copy below names it
-    if hash_name in (None, OBJECT):  # no manifest, or one of objects written in place
-      _verify_objects(directory)
+    try:
+      recorded = json.loads(storage.read_bytes(storage.join(directory, MANIFEST)))
+    except FileNotFoundError:
+      raise CheckpointDamaged(directory, f"{MANIFEST} (its commit marker) is missing") from None
+    except ValueError as e:
+      raise CheckpointDamaged(directory,
+                              f"{MANIFEST} is unreadable ({type(e).__name__})") from None
+    if isinstance(recorded, dict) and recorded.get("hash") == OBJECT:
+      _verify_objects(directory, recorded)
       return None
+    # A sha256 manifest (staged and uploaded, or a local checkpoint copied up).
     return _verify_files(storage.local_copy(directory), shown=directory)
   return _verify_files(directory, shown=directory)
 

@@ -361,7 +361,8 @@ class Checkpointer:
       log(f"note: {error}; {'moved' if self.scheme else 'renamed'} it to "
           f"{storage.basename(aside)} (kept) and resumed from {storage.basename(used)}")
     multihost.sync("t5forge_damaged_checkpoints_set_aside")
-    storage.forget_shared_listings(self.model_dir)
+    if self.scheme == "gs":  # Orbax lists the bucket through its own client
+      storage.forget_shared_listings(self.model_dir)
     self._mngr.reload()  # Orbax listed the damaged steps when it started
 
   def wait(self) -> None:
