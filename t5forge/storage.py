@@ -722,3 +722,62 @@ def forget_shared_listings(path: str) -> None:
   if is_remote(path):
     from etils import epath  # noqa: PLC0415 (Orbax's path layer, installed with it)
     epath.backend.fsspec_backend.fs(path).invalidate_cache()
+
+
+# ------------------------------------------- training runs: files appended to on a bucket
+
+class AppendMirror:
+  """Where a run writes the files it appends to (metrics.jsonl, TensorBoard events,
+  batch fingerprints) under MODEL_DIR, when MODEL_DIR may be a bucket.
+
+  An object cannot be appended to. For a bucket `url` the files are written in a local
+  working copy, one per `url` and `name` (the writing process) under the cache directory,
+  emptied when the mirror is made; `sync()` uploads each file that changed since its last
+  upload as one whole object (a reader sees the previous upload or this one). For a local
+  `url` the working copy is `url` itself and `sync()` does nothing.
+
+    mirror = storage.AppendMirror("gs://b/run", name="process-0")
+    open(mirror.path("metrics.jsonl", resume=True), "a")   # continues the bucket's copy
+    mirror.sync()                                           # at each checkpoint, at exit
+  """
+
+  def __init__(self, url: str, *, name: str = "0"):
+    self.url = normalize(url) if is_remote(url) else url
+    self.remote = is_remote(url)
+    self._uploaded: dict[str, str] = {}  # relative name -> local version last uploaded
+    if self.remote:
+      digest = hashlib.sha256(f"{self.url}\0{name}".encode()).hexdigest()[:16]
+      self.root = os.path.join(cache_root(), "appending", f"{basename(self.url)}-{digest}")
+      shutil.rmtree(self.root, ignore_errors=True)  # a killed run's unsent lines
+      os.makedirs(self.root)
+    else:
+      self.root = url
+
+  def path(self, relative: str, *, resume: bool = False) -> str:
+    """The local path at which to write `url/relative` (a file or a directory). With
+    `resume`, a file that continues across runs: the bucket's object, if any, is first
+    downloaded into the working copy."""
+    local = os.path.join(self.root, *relative.split("/"))
+    if self.remote and resume and not os.path.exists(local):
+      try:
+        download(join(self.url, relative), local)
+        self._uploaded[relative] = info(local)["version"]
+      except FileNotFoundError:
+        pass
+    return local
+
+  def sync(self) -> None:
+    """Uploads every file of the working copy that changed since its last upload."""
+    if not self.remote:
+      return
+    for relative, meta in sorted(walk_files(self.root).items()):
+      if self._uploaded.get(relative) != meta["version"]:
+        upload(os.path.join(self.root, *relative.split("/")), join(self.url, relative))
+        self._uploaded[relative] = meta["version"]
+
+  def close(self) -> None:
+    """A last `sync()`, then the working copy is removed (kept if the upload failed)."""
+    if not self.remote:
+      return
+    self.sync()
+    shutil.rmtree(self.root, ignore_errors=True)

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import time
 import zlib
 from typing import Any, Callable
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5forge import data, files, multihost
+from t5forge import data, files, multihost, storage
 from t5forge.convert import from_checkpoint
 from t5forge.data import vocab_io
 from t5forge.errors import UserError
@@ -57,6 +58,8 @@ class TrainResult:
 def _prepare_model_dir(model_dir: str | None) -> str:
   if not model_dir:
     raise UserError("MODEL_DIR is not set; pass --gin.MODEL_DIR=\\\"/path/to/dir\\\"")
+  if storage.is_remote(model_dir):
+    return _prepare_bucket_model_dir(storage.normalize(model_dir))
   model_dir = os.path.abspath(os.path.expanduser(model_dir))
   try:
     os.makedirs(model_dir, exist_ok=True)
@@ -67,6 +70,23 @@ def _prepare_model_dir(model_dir: str | None) -> str:
   except OSError as e:
     raise UserError(f"MODEL_DIR {model_dir} is not writable ({e.strerror}); choose a directory "
                     "you can write to") from None
+  return model_dir
+
+
+def _prepare_bucket_model_dir(model_dir: str) -> str:
+  """A bucket MODEL_DIR stays a URL: its bucket must exist, and an object written and
+  deleted under it is the write probe (before the lock, so a refused write is one line
+  about the bucket, not about the lock)."""
+  storage.check_bucket(model_dir)
+  probe = storage.join(model_dir, f".write-test-{socket.gethostname()}-{os.getpid()}")
+  try:
+    storage.write_bytes(probe, b"ok")
+    storage.remove(probe)
+  except UserError:
+    raise
+  except Exception as e:  # noqa: BLE001 (any refusal the storage layer did not name)
+    raise UserError(f"MODEL_DIR {model_dir} is not writable ({' '.join(str(e).split())[:200]}); "
+                    "check the bucket's permissions or choose another MODEL_DIR") from None
   return model_dir
 
 
@@ -233,7 +253,10 @@ class _Run:
     self.is_chief = multihost.is_chief()
     self.log = log.info if self.is_chief else (lambda *a, **k: None)
     self.train_iter = self.checkpointer = self.fingerprints = None
-    self.writer = metrics_lib.MetricWriter(model_dir, enabled=self.is_chief)
+    # The files this process appends to; on a bucket MODEL_DIR a local working copy,
+    # uploaded at every checkpoint and at the end (`close`).
+    self.mirror = storage.AppendMirror(model_dir, name=f"process-{jax.process_index()}")
+    self.writer = metrics_lib.MetricWriter(model_dir, enabled=self.is_chief, mirror=self.mirror)
     self.train_eval = self.inference_evaluator = None
     self.base, self.base_record = None, None  # adapter training: the frozen base
 
@@ -330,8 +353,8 @@ class _Run:
         abstract=(self.abstract_params, self.abstract_opt), shardings=self.shardings, log=self.log,
         allow_changed_data=self.allow_changed_data, adapter=self.adapter, base=self.base)
     self.start = int(self.state.step)
-    resumed = os.path.join(self.model_dir, f"checkpoint_{self.start}")
-    if self.checkpointer.latest_step() is not None and os.path.isdir(resumed):
+    resumed = storage.join(self.model_dir, f"checkpoint_{self.start}")
+    if self.checkpointer.latest_step() is not None and storage.isdir(resumed):
       self.check_vocabulary(resumed, fix=(
           "This MODEL_DIR was trained with the other one: train the task it was trained with, "
           "or use a new MODEL_DIR (INITIAL_CHECKPOINT_PATH = this checkpoint, with "
@@ -384,10 +407,9 @@ class _Run:
   def check_adapter_base(self) -> None:
     """Refuses to resume an adapter on another base than the one it was trained on."""
     step = self.checkpointer.latest_step()
-    path = os.path.join(self.checkpointer.step_dir(step), adapters.CONFIG_FILE)
+    path = storage.join(self.checkpointer.step_dir(step), adapters.CONFIG_FILE)
     try:
-      with open(path, encoding="utf-8") as f:
-        record = json.load(f)
+      record = json.loads(storage.read_text(path))
     except (OSError, ValueError):
       raise UserError(f"{self.checkpointer.step_dir(step)} has no readable "
                       f"{adapters.CONFIG_FILE}: it is not a checkpoint of adapter training; "
@@ -426,7 +448,7 @@ class _Run:
     if not self.is_chief:
       return
     if operative_config:
-      files.write_text(os.path.join(self.model_dir, "config.gin"), operative_config)
+      files.write_text(storage.join(self.model_dir, "config.gin"), operative_config)
     model_info.write(self.model_dir, model_info.render(
         self.abstract_params, self.param_axes, self.shardings.params, self.abstract_opt,
         self.opt_axes, self.shardings.opt_state, self.partitioner.mesh.shape))
@@ -454,8 +476,8 @@ class _Run:
         self.inference_evaluator.close()
         self.inference_evaluator = None
     if record_batch_fingerprints:
-      self.fingerprints = open(os.path.join(
-          self.model_dir, f"batch_fingerprints.{jax.process_index()}.jsonl"), "a",
+      self.fingerprints = open(self.mirror.path(
+          f"batch_fingerprints.{jax.process_index()}.jsonl", resume=True), "a",
           encoding="utf-8")
 
   # -- periodic work ------------------------------------------------------------------------
@@ -488,9 +510,11 @@ class _Run:
     self.checkpointer.save(step, self.state, config_item=self._config,
                            data_state=self.train_iter.get_state(), metrics=metrics,
                            extra_files=extra)
+    self.mirror.sync()  # a bucket's metrics.jsonl and events as of this checkpoint
 
   def close(self) -> None:
-    for resource in (self.checkpointer, self.writer, self.train_iter, self.fingerprints):
+    for resource in (self.checkpointer, self.writer, self.train_iter, self.fingerprints,
+                     self.mirror):
       if resource is not None:
         resource.close()
 

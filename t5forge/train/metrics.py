@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from typing import Any
 
 import jax
 import numpy as np
+
+from t5forge import storage
 
 log = logging.getLogger(__name__)
 
@@ -72,18 +73,23 @@ class MetricWriter:
   """TensorBoard events under MODEL_DIR/<subdir>/ and one JSONL line per write.
 
   Only the writing process (process 0) creates files; others accept and drop writes.
+  Both are appended to, so on a bucket MODEL_DIR they are written in `mirror`'s local
+  working copy (`storage.AppendMirror`) and reach the bucket at its `sync()`: the run's
+  checkpoints and its end. metrics.jsonl continues the bucket's copy.
   """
 
-  def __init__(self, model_dir: str, *, enabled: bool = True):
+  def __init__(self, model_dir: str, *, enabled: bool = True,
+               mirror: storage.AppendMirror | None = None):
     self.model_dir = model_dir
     self.enabled = enabled
+    self.mirror = mirror or storage.AppendMirror(model_dir)
     self._writers: dict[str, Any] = {}
     self._jsonl = None  # opened on the first write: a run that fails early leaves no file
 
   def _writer(self, subdir: str):
     if subdir not in self._writers:
       from tensorboardX import SummaryWriter  # noqa: PLC0415 (slow or optional import, on first use)
-      self._writers[subdir] = SummaryWriter(os.path.join(self.model_dir, subdir))
+      self._writers[subdir] = SummaryWriter(self.mirror.path(subdir))
     return self._writers[subdir]
 
   def write_scalars(self, step: int, scalars: dict[str, float], *, subdir: str = "train") -> None:
@@ -91,7 +97,7 @@ class MetricWriter:
       return
     writer = self._writer(subdir)
     if self._jsonl is None:
-      self._jsonl = open(os.path.join(self.model_dir, "metrics.jsonl"), "a", encoding="utf-8")
+      self._jsonl = open(self.mirror.path("metrics.jsonl", resume=True), "a", encoding="utf-8")
     clean = {}
     for name, value in scalars.items():
       value = float(value)

@@ -2,12 +2,10 @@
 axes and partition spec, and the totals (what T5X writes, plus the logical axes)."""
 from __future__ import annotations
 
-import os
-
 import jax
 import numpy as np
 
-from t5forge import files
+from t5forge import files, storage
 from t5forge.sharding import is_axes
 
 
@@ -41,4 +39,4 @@ def render(param_shapes, param_axes, param_shardings, opt_shapes, opt_axes, opt_
 
 
 def write(model_dir: str, text: str) -> None:
-  files.write_text(os.path.join(model_dir, "model-info.txt"), text)
+  files.write_text(storage.join(model_dir, "model-info.txt"), text)
