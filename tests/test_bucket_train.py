@@ -8,13 +8,21 @@ and uploaded at each checkpoint and at the end, and the lock is an object.
 """
 import json
 import os
+import socket
+import subprocess
+import time
 
+import jax
+import numpy as np
 import pytest
 
 from t5forge import storage
+from t5forge.convert import manifest
 from t5forge.errors import UserError
-from t5forge.train import loop
+from t5forge.train import loop, run_lock
 from t5forge.train import metrics as metrics_lib
+from train_helpers import (ROOT, error_line, final_params, fingerprints, run_train, train_cmd,
+                           write_gin)
 
 
 def _lines(url):
@@ -82,3 +90,168 @@ def test_a_local_model_dir_is_written_in_place(tmp_path):
   writer.close()
   mirror.close()
   assert os.path.isfile(tmp_path / "metrics.jsonl") and os.path.isdir(tmp_path / "train")
+
+
+# ------------------------------------------------------- t5forge train, end to end (slow)
+
+HOST = socket.gethostname()
+
+
+def _env(tmp_path, devices=1, **extra):
+  """A subprocess's environment: this process's (pointed at the emulator by bucket_env),
+  its own T5FORGE_CACHE, t5forge importable from any working directory."""
+  return {**os.environ, "T5FORGE_CACHE": str(tmp_path / "cache"), "PYTHONPATH": ROOT,
+          "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **extra}
+
+
+def _train(tmp_path, gin, model_dir, *bindings, env=None, extra=()):
+  # cwd is tmp_path: the old bug's local ./gs:/ or ./s3:/ folder would show there.
+  return subprocess.run(train_cmd(gin, model_dir, *bindings) + list(extra), cwd=tmp_path,
+                        env=env or _env(tmp_path), capture_output=True, text=True, timeout=600)
+
+
+def _committed(url, step) -> bool:
+  """checkpoint_<step> of a bucket MODEL_DIR is whole: its manifest is written last."""
+  return storage.exists(storage.join(url, f"checkpoint_{step}", manifest.MANIFEST))
+
+
+def _bucket_fingerprints(url, process=0):
+  return {r["step"]: r["crc"]
+          for r in _lines(storage.join(url, f"batch_fingerprints.{process}.jsonl"))}
+
+
+def _wait_for(cond, timeout=300, every=0.2):
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    if cond():
+      return True
+    time.sleep(every)
+  return False
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+  """20 steps into a local MODEL_DIR without interruption: the reference."""
+  d = tmp_path_factory.mktemp("uninterrupted")
+  gin = write_gin(d / "run.gin", steps=20, period=5, eval_period=10, stats_period=5)
+  r = run_train(gin, d / "model")
+  assert r.returncode == 0, r.stderr[-3000:]
+  return gin, d / "model"
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_resumes_bitwise_on_a_bucket(bucket_env, uninterrupted, tmp_path):
+  emu, bucket = bucket_env
+  gin, ref_dir = uninterrupted
+  url = storage.join(bucket, "runs", "a")
+  proc = subprocess.Popen(train_cmd(gin, url), cwd=tmp_path, env=_env(tmp_path),
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  try:
+    caught = _wait_for(lambda: proc.poll() is not None or _committed(url, 5), every=0.1)
+    assert caught and proc.poll() is None, (proc.poll(), proc.stderr.read()[-3000:]
+                                            if proc.poll() is not None else "")
+    proc.kill()
+  finally:
+    proc.kill()
+    proc.wait()
+  assert not _committed(url, 20)
+  assert storage.exists(storage.join(url, ".lock"))  # left by the killed run
+  r = _train(tmp_path, gin, url, env=_env(tmp_path, T5FORGE_BUCKET_LOCK_TIMEOUT_S="2"))
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert f"note: took over the lock of pid {proc.pid} on host {HOST}" in r.stdout + r.stderr
+  assert f"resumed from {url}/checkpoint_" in r.stdout + r.stderr
+  assert not any(n.endswith(":") for n in os.listdir(tmp_path))  # no ./gs: or ./s3: folder
+  names = storage.walk_files(url)
+  for name in ("config.gin", "model-info.txt", "metrics.jsonl", "batch_fingerprints.0.jsonl",
+               f"checkpoint_20/{manifest.MANIFEST}"):
+    assert name in names, name
+  assert ".lock" not in names  # released at the end
+  assert any(n.startswith("train/events.out.tfevents.") for n in names)
+  assert any(n.startswith("training_eval/bible_translate_en_es/events.out.") for n in names)
+  assert "MODEL_DIR" in storage.read_text(storage.join(url, "config.gin"))
+  steps = sorted({row["step"] for row in _lines(storage.join(url, "metrics.jsonl"))
+                  if row["split"] == "train"})
+  assert steps == [5, 10, 15, 20]
+  path, params = final_params(storage.local_copy(url))
+  ref_path, ref = final_params(ref_dir)
+  assert path.endswith("checkpoint_20") and ref_path.endswith("checkpoint_20")
+  jax.tree.map(np.testing.assert_array_equal, params, ref)
+  assert _bucket_fingerprints(url) == fingerprints(ref_dir)
+
+
+@pytest.mark.slow
+def test_two_runs_on_one_bucket_model_dir_and_a_killed_runs_lock(bucket_env, tmp_path,
+                                                                monkeypatch):
+  emu, bucket = bucket_env
+  url = storage.join(bucket, "runs", "b")
+  gin = write_gin(tmp_path / "run.gin", steps=4, period=4, stats_period=2)
+  monkeypatch.setenv(run_lock.TIMEOUT_ENV, "10")  # here and in the runs
+  env = _env(tmp_path)
+  first = subprocess.Popen(train_cmd(gin, url, "TRAIN_STEPS=100000", "utils.SaveCheckpointConfig."
+                                     "period=100000"), cwd=tmp_path, env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  try:
+    assert _wait_for(lambda: first.poll() is not None
+                     or storage.exists(storage.join(url, "model-info.txt")))
+    assert first.poll() is None, first.stderr.read()[-3000:]
+    second = _train(tmp_path, gin, url, env=env)
+    msg = error_line(second)
+    assert f"MODEL_DIR {url} is in use by pid {first.pid} on host {HOST} since " in msg
+    assert msg.endswith("(t5forge train); wait for it, or use another MODEL_DIR")
+  finally:
+    first.kill()
+    first.wait()
+  # Killed: its lock stays until it is 10 s without renewal, and the refusal says so.
+  lock_url = storage.join(url, ".lock")
+  with pytest.raises(UserError, match=f"pid {first.pid} is gone: its lock is taken over when "
+                     "not renewed for 10 s"):
+    run_lock.BucketLock(url).acquire()
+  assert _wait_for(lambda: time.time() - storage.info(lock_url)["mtime"] > 10.5, timeout=30)
+  third = _train(tmp_path, gin, url, env=env)
+  assert third.returncode == 0, third.stderr[-3000:]
+  assert (f"note: took over the lock of pid {first.pid} on host {HOST} (t5forge train since "
+          in third.stdout + third.stderr)
+  assert "training stopped at step 4" in third.stdout
+  assert not storage.exists(lock_url)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bucket_env", ["gs"], indirect=True)
+def test_two_processes_into_one_bucket_model_dir_agree_with_one(bucket_env, tmp_path):
+  emu, bucket = bucket_env
+  url = storage.join(bucket, "runs", "two")
+  gin = write_gin(tmp_path / "run.gin", steps=4, period=2)
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  procs = [subprocess.Popen(
+      train_cmd(gin, url) + [f"--coordinator_address=127.0.0.1:{port}", "--process_count=2",
+                             f"--process_index={i}", "--heartbeat_timeout_seconds=10"],
+      cwd=tmp_path, env=_env(tmp_path, devices=2), stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True) for i in range(2)]
+  outs = []
+  try:
+    for p in procs:
+      out, err = p.communicate(timeout=600)
+      assert p.returncode == 0, err[-3000:]
+      outs.append(out)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  assert "training stopped at step 4" in outs[0]
+  fp = [_lines(storage.join(url, f"batch_fingerprints.{i}.jsonl")) for i in (0, 1)]
+  assert fp[0] == fp[1] and len(fp[0]) == 4  # both processes read the same global batches
+  assert not storage.exists(storage.join(url, ".lock"))
+  one = _train(tmp_path, gin, tmp_path / "one", env=_env(tmp_path, devices=4))
+  assert one.returncode == 0, one.stderr[-3000:]
+
+  # As tests/test_multihost.py: sums in another order, Adafactor's ~0-gradient columns.
+  def close(a, b):
+    off = ~np.isclose(a, b, rtol=1e-4, atol=1e-5)
+    assert off.mean() < 1e-3 and np.abs(a - b).max() < 0.05, (off.mean(), np.abs(a - b).max())
+
+  _, two = final_params(storage.local_copy(url))
+  _, ref = final_params(tmp_path / "one")
+  jax.tree.map(close, two, ref)
