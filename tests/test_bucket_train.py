@@ -16,8 +16,8 @@ import jax
 import numpy as np
 import pytest
 
-from t5forge import storage
-from t5forge.convert import manifest
+from t5forge import convert, storage
+from t5forge.convert import manifest, native
 from t5forge.errors import UserError
 from t5forge.train import loop, run_lock
 from t5forge.train import metrics as metrics_lib
@@ -120,6 +120,14 @@ def _bucket_fingerprints(url, process=0):
           for r in _lines(storage.join(url, f"batch_fingerprints.{process}.jsonl"))}
 
 
+def _bucket_params(url):
+  """(path, numpy params) of the latest checkpoint of a bucket MODEL_DIR, read as every
+  reader does (`convert.readable`: gs:// in place, s3:// through a local copy)."""
+  path = native.latest_checkpoint(url)
+  _, params, _ = native.load(convert.readable(path))
+  return path, jax.tree.map(np.asarray, params)
+
+
 def _wait_for(cond, timeout=300, every=0.2):
   deadline = time.time() + timeout
   while time.time() < deadline:
@@ -140,7 +148,7 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_sigkill_mid_run_resumes_bitwise_on_a_bucket(bucket_env, uninterrupted, tmp_path):
+def test_sigkill_mid_run_resumes_bitwise_on_a_bucket(bucket_env, uninterrupted, tmp_path, cache):
   emu, bucket = bucket_env
   gin, ref_dir = uninterrupted
   url = storage.join(bucket, "runs", "a")
@@ -172,7 +180,7 @@ def test_sigkill_mid_run_resumes_bitwise_on_a_bucket(bucket_env, uninterrupted, 
   steps = sorted({row["step"] for row in _lines(storage.join(url, "metrics.jsonl"))
                   if row["split"] == "train"})
   assert steps == [5, 10, 15, 20]
-  path, params = final_params(storage.local_copy(url))
+  path, params = _bucket_params(url)
   ref_path, ref = final_params(ref_dir)
   assert path.endswith("checkpoint_20") and ref_path.endswith("checkpoint_20")
   jax.tree.map(np.testing.assert_array_equal, params, ref)
@@ -217,7 +225,7 @@ def test_two_runs_on_one_bucket_model_dir_and_a_killed_runs_lock(bucket_env, tmp
 
 @pytest.mark.slow
 @pytest.mark.parametrize("bucket_env", ["gs"], indirect=True)
-def test_two_processes_into_one_bucket_model_dir_agree_with_one(bucket_env, tmp_path):
+def test_two_processes_into_one_bucket_model_dir_agree_with_one(bucket_env, tmp_path, cache):
   emu, bucket = bucket_env
   url = storage.join(bucket, "runs", "two")
   gin = write_gin(tmp_path / "run.gin", steps=4, period=2)
@@ -252,6 +260,6 @@ def test_two_processes_into_one_bucket_model_dir_agree_with_one(bucket_env, tmp_
     off = ~np.isclose(a, b, rtol=1e-4, atol=1e-5)
     assert off.mean() < 1e-3 and np.abs(a - b).max() < 0.05, (off.mean(), np.abs(a - b).max())
 
-  _, two = final_params(storage.local_copy(url))
+  _, two = _bucket_params(url)
   _, ref = final_params(tmp_path / "one")
   jax.tree.map(close, two, ref)
