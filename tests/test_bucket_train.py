@@ -263,3 +263,13 @@ def test_two_processes_into_one_bucket_model_dir_agree_with_one(bucket_env, tmp_
   _, two = _bucket_params(url)
   _, ref = final_params(tmp_path / "one")
   jax.tree.map(close, two, ref)
+
+
+def test_train_into_a_missing_bucket_is_one_line(bucket_env, tmp_path):
+  emu, bucket = bucket_env
+  gin = write_gin(tmp_path / "run.gin", steps=2, period=2)
+  url = f"{emu.scheme}://no-such-bucket-here/runs/a"
+  msg = error_line(_train(tmp_path, gin, url))
+  assert msg == (f"t5forge: error: {emu.scheme}://no-such-bucket-here: the bucket does not "
+                 f"exist; create it or fix the name in {url}")
+  assert os.listdir(tmp_path) == ["run.gin"]  # nothing written locally either

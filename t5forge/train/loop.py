@@ -6,6 +6,13 @@ What it leaves in MODEL_DIR: `config.gin`, `model-info.txt`, `checkpoint_<step>/
 TensorBoard events under `train/` and `training_eval/<task>/`, and `metrics.jsonl`; and
 `.lock`, held while the run lasts so that a second run on the same MODEL_DIR refuses
 (see `run_lock.py`).
+
+MODEL_DIR may be a bucket (`gs://...`, `s3://...`): it stays a URL, its bucket must exist,
+and the same files are objects there. config.gin and model-info.txt are written whole;
+the files a run appends to (metrics.jsonl, TensorBoard events, batch fingerprints) are
+written in a local working copy and uploaded at every checkpoint and at the end
+(`storage.AppendMirror`), so a run killed between checkpoints loses the lines since the
+last one, as it loses those steps.
 """
 from __future__ import annotations
 
