@@ -10,6 +10,11 @@ For each task, under `output_dir` (MODEL_DIR/inference_eval by default):
                                "target": ..., "prediction_tokens": [...]}
     <task>/events.out.*        TensorBoard scalars `<task>/<metric>`, `<task>/num_examples`
 
+`output_dir` (or MODEL_DIR) may be a `gs://` or `s3://` URL. A bucket has no append: the
+metrics file is read and written back whole with its new line (one object, so a reader
+sees the old lines or all of them), and TensorBoard's event files are written locally and
+sent as whole objects after each evaluation.
+
 `evaluate` (`t5forge eval`) skips a step only when a record covers exactly what it would
 evaluate (see `InferenceEvaluator.why_evaluate`); `force` evaluates regardless.
 
@@ -19,12 +24,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from typing import Any
 
 import jax
 import numpy as np
 
-from t5forge import convert, data, decoding, files, multihost, opener, provenance
+from t5forge import convert, data, decoding, files, multihost, opener, provenance, storage
 from t5forge.convert import native, paths
 from t5forge.data import vocab_io
 from t5forge.engine import offline
@@ -88,7 +95,9 @@ class InferenceEvaluator:
       data.import_task_module(dataset_cfg.module, flag="--module / MIXTURE_OR_TASK_MODULE")
     self.model = model
     self.partitioner = partitioner or Partitioner()
-    self.output_dir = output_dir or os.path.join(model_dir or ".", "inference_eval")
+    self.output_dir = output_dir or storage.join(model_dir or ".", "inference_eval")
+    if storage.is_remote(self.output_dir):
+      self.output_dir = storage.normalize(self.output_dir)
     self.model_dir = model_dir
     self.split = dataset_cfg.split
     self.options = decode_options or DecodeOptions()
@@ -126,6 +135,7 @@ class InferenceEvaluator:
     self.batch_size = int(dataset_cfg.batch_size)
     self._engines: dict[tuple[int, int], Any] = {}
     self._writers = {}
+    self._event_dirs: dict[str, tuple[str, str]] = {}  # task -> (local dir, bucket URL)
     self.metric_writer = metric_writer
 
   @property
@@ -213,7 +223,7 @@ class InferenceEvaluator:
     default, for the trainer's hook: MODEL_DIR/checkpoint_<step>, content unknown)."""
     ds = self.datasets[name]
     if checkpoint is None and self.model_dir is not None:
-      checkpoint = {"path": native.step_dir(os.path.abspath(self.model_dir), step),
+      checkpoint = {"path": native.step_dir(_absolute(self.model_dir), step),
                     "step": int(step), "format": "t5forge", "content": None}
     n = ds.num_examples if self.num_examples is None else min(self.num_examples,
                                                               ds.num_examples)
@@ -236,7 +246,7 @@ class InferenceEvaluator:
     out = {}
     chief = multihost.is_chief()
     if chief:
-      os.makedirs(self.output_dir, exist_ok=True)
+      storage.makedirs(self.output_dir)  # a bucket: checks that it exists
     for name, ds in self.datasets.items():
       metrics, rows = self._run_task(params, name, ds)
       metrics = {k: float(v) for k, v in metrics.items()}
@@ -246,11 +256,10 @@ class InferenceEvaluator:
       if not chief:
         continue
       if self.write_predictions:
-        files.write_lines(os.path.join(self.output_dir, f"{name}-{step}.jsonl"), rows)
-      with open(os.path.join(self.output_dir, f"{name}-metrics.jsonl"), "a",
-                encoding="utf-8") as f:
-        f.write(json.dumps({"step": int(step), **metrics, "num_examples": len(rows),
-                            "coverage": coverage}) + "\n")
+        files.write_lines(storage.join(self.output_dir, f"{name}-{step}.jsonl"), rows)
+      _append_line(storage.join(self.output_dir, f"{name}-metrics.jsonl"),
+                   json.dumps({"step": int(step), **metrics, "num_examples": len(rows),
+                               "coverage": coverage}) + "\n")
       if self.metric_writer is not None:
         self.metric_writer.write_scalars(step, scalars, subdir=f"inference_eval/{name}")
       else:
@@ -258,22 +267,35 @@ class InferenceEvaluator:
         for k, v in scalars.items():
           writer.add_scalar(f"{name}/{k}", v, step)
         writer.flush()
+        self._upload_events(name)
     return out
 
   def _tensorboard(self, name: str):
     if name not in self._writers:
       from tensorboardX import SummaryWriter  # noqa: PLC0415 (slow or optional import, on first use)
-      self._writers[name] = SummaryWriter(os.path.join(self.output_dir, name))
+      where = storage.join(self.output_dir, name)
+      if storage.is_remote(where):
+        # The writer appends to its event file, which a bucket cannot: it writes a local
+        # directory whose files are sent whole after each evaluation.
+        local = tempfile.mkdtemp(prefix="t5forge-events-")
+        self._event_dirs[name] = (local, where)
+        where = local
+      self._writers[name] = SummaryWriter(where)
     return self._writers[name]
+
+  def _upload_events(self, name: str) -> None:
+    if name in self._event_dirs:
+      local, url = self._event_dirs[name]
+      storage.upload_tree(local, url)
 
   def records(self) -> dict[str, list[dict]]:
     """Each task's <task>-metrics.jsonl lines (earlier evaluations), oldest first."""
     done = {}
     for name in self.datasets:
-      path = os.path.join(self.output_dir, f"{name}-metrics.jsonl")
+      path = storage.join(self.output_dir, f"{name}-metrics.jsonl")
       rows = []
-      if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
+      if storage.isfile(path):
+        with storage.open_read(path, binary=False) as f:
           for n, line in enumerate(f, 1):
             if not line.strip():
               continue
@@ -291,7 +313,7 @@ class InferenceEvaluator:
     (so it is done); else why not, in words ('' when there is no record of `step`)."""
     reasons, missing = [], False
     for name in self.datasets:
-      path = os.path.join(self.output_dir, f"{name}-metrics.jsonl")
+      path = storage.join(self.output_dir, f"{name}-metrics.jsonl")
       earlier = [r for r in records.get(name, []) if r.get("step") == step]
       if not earlier:
         missing = True
@@ -308,12 +330,33 @@ class InferenceEvaluator:
     return "; ".join(reasons) if reasons or missing else None
 
   def close(self) -> None:
-    for w in self._writers.values():
+    for name, w in self._writers.items():
       w.close()
-    self._writers = {}
+      self._upload_events(name)
+    for local, _ in self._event_dirs.values():
+      shutil.rmtree(local, ignore_errors=True)
+    self._writers, self._event_dirs = {}, {}
     for dec in self._engines.values():
       dec.close()
     self._engines = {}
+
+
+def _absolute(path: str) -> str:
+  return storage.normalize(path) if storage.is_remote(path) else os.path.abspath(path)
+
+
+def _append_line(path: str, line: str) -> None:
+  """Appends `line` to the file `path`. A bucket object cannot be appended to: it is read
+  and written back whole with the line added (one object: the old lines or all of them)."""
+  if not storage.is_remote(path):
+    with open(path, "a", encoding="utf-8") as f:
+      f.write(line)
+    return
+  try:
+    old = storage.read_text(path)
+  except FileNotFoundError:
+    old = ""
+  files.write_text(path, old + line)
 
 
 def _shown(scalars: dict[str, float]) -> str:
@@ -360,12 +403,15 @@ def evaluate(*, dataset_cfg, restore_checkpoint_cfg, model=None, output_dir: str
   path, mode = restore_checkpoint_cfg.path, restore_checkpoint_cfg.mode
   if not path:
     raise UserError("no checkpoint to evaluate; set CHECKPOINT_PATH (--checkpoint)")
+  storage.is_remote(path)  # an unknown scheme is one line, before anything is read
+  if output_dir and storage.is_remote(output_dir):
+    storage.check_bucket(output_dir)
   if mode == "all":
     checkpoints = paths.resolve_all(path)
   else:  # 'latest' and 'specific': a MODEL_DIR means its newest; a Hub name is fetched
     checkpoints = [paths.resolve(convert.local_path(path))]
   model_dir = checkpoints[0].model_dir or checkpoints[0].path
-  output_dir = output_dir or os.path.join(model_dir, "inference_eval")
+  output_dir = output_dir or storage.join(model_dir, "inference_eval")
   evaluator, results = None, {}
   partitioner = partitioner or Partitioner()
   try:

@@ -8,6 +8,9 @@ JSONL: {"inputs": ..., "targets": ...}; text: one input a line). Output, in outp
     <name>-<step>.jsonl                             all chunks merged, in input order
     <name>-<step>.jsonl.fingerprint.json            what the output is made from
 
+output_dir may be a `gs://` or `s3://` URL: each of these files is then one object,
+written whole (`t5forge.files`), and the chunks are found by listing the prefix.
+
 The fingerprint (written before any chunk, kept beside the merged file) records the
 inputs (a digest of their tokens and text), mode, decoding options, lengths, model dtype
 and checkpoint (path, step, format, a digest of its metadata files). A rerun of the same
@@ -25,6 +28,7 @@ is complete. Lines (T5X's format):
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import glob
 import hashlib
 import json
@@ -35,7 +39,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from t5forge import data, decoding, files, multihost, opener, provenance
+from t5forge import data, decoding, files, multihost, opener, provenance, storage
 from t5forge.data import vocab_io
 from t5forge.data.files import iter_lines
 from t5forge.errors import UserError
@@ -60,7 +64,7 @@ class Example:
 def read_file(path: str) -> list[dict[str, str]]:
   """Rows {'inputs': str, 'targets'?: str} of a TSV, JSONL or text file (optionally .gz)."""
   name = path[:-3] if path.endswith(".gz") else path
-  if not os.path.isfile(path):
+  if not storage.isfile(path):
     raise UserError(f"{path}: input file not found")
   rows = []
   for n, line in iter_lines(path):
@@ -178,14 +182,16 @@ def infer(*, model, params, examples: list[Example], output_dir: str, name: str,
   opts = decode_options or DecodeOptions()
   continuous = (scheduler == "continuous" and mode != "score"
                 and offline.supports(model, opts))
-  os.makedirs(output_dir, exist_ok=True)
-  base = os.path.join(output_dir, f"{name}-{step}.jsonl")
+  if storage.is_remote(output_dir):
+    output_dir = storage.normalize(output_dir)
+  storage.makedirs(output_dir)  # a bucket: checks that it exists
+  base = storage.join(output_dir, f"{name}-{step}.jsonl")
   n_chunks = max(1, -(-len(examples) // chunk_size))
   work = fingerprint(examples, mode=mode, options=opts, input_length=input_length,
                      target_length=target_length, chunk_size=chunk_size, model=model,
                      checkpoint=checkpoint, engine=continuous)
   _claim(base, work, overwrite=overwrite)
-  if os.path.exists(base) and not glob.glob(f"{glob.escape(base)}-*.COMPLETED"):
+  if storage.exists(base) and not _matching(base, "-*.COMPLETED"):
     return InferResult(base, len(examples), 0, 0, n_chunks)  # merged by an earlier run
   marker = provenance.digest(work)  # a COMPLETED marker names the work its chunk belongs to
   done_now = 0
@@ -300,15 +306,30 @@ def fingerprint(examples: list[Example], *, mode: str, options: DecodeOptions,
 
 def _read(path: str) -> str | None:
   try:
+    if storage.is_remote(path):
+      return storage.read_text(path)
     with open(path, encoding="utf-8") as f:
       return f.read()
   except FileNotFoundError:
     return None
 
 
+def _matching(base: str, pattern: str) -> list[str]:
+  """The files whose names are `base`'s followed by `pattern` (a glob, e.g. '-*-of-*')."""
+  if not storage.is_remote(base):
+    return glob.glob(f"{glob.escape(base)}{pattern}")
+  folder, name = storage.dirname(base), storage.basename(base)
+  wanted = glob.escape(name) + pattern
+  return [storage.join(folder, n) for n in storage.listdir(folder)
+          if fnmatch.fnmatchcase(n, wanted)]
+
+
 def _temporaries(base: str) -> list[str]:
   """What a killed write of `base` or of one of its chunks left: `files.atomic_file`'s
-  temporaries (and an older t5forge's `<name>.tmp-<pid>`)."""
+  temporaries (and an older t5forge's `<name>.tmp-<pid>`). A bucket has none: each of
+  its files is one object, written whole."""
+  if storage.is_remote(base):
+    return []
   folder, name = os.path.split(base)
   return (glob.glob(os.path.join(glob.escape(folder), f".{glob.escape(name)}*.tmp-*"))
           + glob.glob(f"{glob.escape(base)}*.tmp-*"))
@@ -325,8 +346,8 @@ def _claim(base: str, work: dict, *, overwrite: bool) -> None:
   except json.JSONDecodeError:
     recorded = None  # torn by hand or by a disk fault: unknown work, like no record
   recorded = recorded if isinstance(recorded, dict) else None
-  chunks = glob.glob(f"{glob.escape(base)}-*-of-*")
-  merged = os.path.exists(base)
+  chunks = _matching(base, "-*-of-*")
+  merged = storage.exists(base)
   if (chunks or merged) and not overwrite:
     if recorded is None:
       raise UserError(f"{base} has no record of the inputs, mode, decoding options and "
@@ -347,8 +368,8 @@ def _claim(base: str, work: dict, *, overwrite: bool) -> None:
       markers = [p for p in chunks if p.endswith(".COMPLETED")]
       for path in ([record_path] + markers + sorted(set(chunks) - set(markers)) + [base]
                    + _temporaries(base)):
-        if os.path.exists(path):
-          os.remove(path)
+        if storage.exists(path):
+          storage.remove(path)
     if overwrite or (recorded != work and not (chunks or merged)):
       files.write_json(record_path, work, indent=1)
   multihost.sync("t5forge_infer_fingerprint")
@@ -356,16 +377,15 @@ def _claim(base: str, work: dict, *, overwrite: bool) -> None:
 
 def _merge(base: str, n_chunks: int) -> None:
   parts = [f"{base}-{k:05d}-of-{n_chunks:05d}" for k in range(n_chunks)]
-  missing = [p for p in parts if not os.path.exists(p + ".COMPLETED")]
+  missing = [p for p in parts if not storage.exists(p + ".COMPLETED")]
   if missing:
     raise UserError(f"cannot merge {base}: chunk {missing[0]} is not complete; rerun to finish it")
   with files.atomic_file(base) as out:
     for p in parts:
-      with open(p, encoding="utf-8") as f:
-        out.write(f.read())
+      out.write(_read(p))
   for p in parts:  # the marker first: a chunk without its marker is simply redone
-    os.remove(p + ".COMPLETED")
-    os.remove(p)
+    storage.remove(p + ".COMPLETED")
+    storage.remove(p)
   for stale in _temporaries(base):
     os.remove(stale)
 
@@ -410,6 +430,7 @@ def infer_task(*, restore_checkpoint_cfg, output_dir: str, dataset_cfg=None,
     raise UserError("nothing to infer: set MIXTURE_OR_TASK_NAME (--task) or give --input")
   if dataset_cfg is not None and dataset_cfg.module:
     data.import_task_module(dataset_cfg.module, flag="--module / MIXTURE_OR_TASK_MODULE")
+  _check_paths(restore_checkpoint_cfg.path, input_path, output_dir)
   opened = opener.open_checkpoint(
       restore_checkpoint_cfg.path, model=model, vocabulary_path=vocabulary_path,
       overrides=load_overrides, partitioner=inference_partitioner(partitioner),
@@ -434,7 +455,7 @@ def infer_task(*, restore_checkpoint_cfg, output_dir: str, dataset_cfg=None,
     name = name or task
   else:
     examples = examples_from_file(input_path, model.vocabulary, need_targets=mode == "score")
-    name = name or os.path.basename(input_path).split(".")[0]
+    name = name or storage.basename(input_path).split(".")[0]
   lengths = dict((dataset_cfg.task_feature_lengths if dataset_cfg is not None else None) or {})
   return infer(model=model, params=opened.params, examples=examples, output_dir=output_dir,
                name=name, step=opened.checkpoint.step, mode=mode,
@@ -444,6 +465,16 @@ def infer_task(*, restore_checkpoint_cfg, output_dir: str, dataset_cfg=None,
                decode_options=decode_options, partitioner=opened.partitioner,
                param_shardings=opened.param_shardings, checkpoint=opened.identity(),
                overwrite=overwrite, scheduler=scheduler)
+
+
+def _check_paths(checkpoint: str, input_path: str | None, output_dir: str) -> None:
+  """Before the checkpoint is read: an unknown scheme in any path, or an output bucket
+  that does not exist (or cannot be reached), is one line naming it."""
+  for path in (checkpoint, input_path):
+    if path:
+      storage.is_remote(path)
+  if storage.is_remote(output_dir):
+    storage.check_bucket(output_dir)
 
 
 def inference_partitioner(partitioner: Partitioner | None = None) -> Partitioner:

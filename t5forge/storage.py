@@ -151,6 +151,14 @@ def _check_credentials(s: str, url: str) -> None:
     try:
       google.auth.default()
     except gexc.DefaultCredentialsError as e:
+      key_file = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
+      if key_file:  # set, but not a key google-auth can use (missing, malformed, wrong type)
+        why = e.args[0] if e.args and isinstance(e.args[0], str) else str(e)
+        raise StorageError(
+            f"{url}: GOOGLE_APPLICATION_CREDENTIALS={key_file} was refused "
+            f"({' '.join(why.split())[:160]}); set GOOGLE_APPLICATION_CREDENTIALS to a "
+            "service-account key JSON file, or unset it to use `gcloud auth "
+            "application-default login`") from None
       first = str(e).splitlines()[0] if str(e) else type(e).__name__
       raise StorageError(
           f"{url}: no Google Cloud credentials ({first[:160]}); set "
@@ -255,9 +263,11 @@ def _user_error(url: str, op: str, e: BaseException) -> Exception:
       "not found" in low and "bucket" in low) or "the specified bucket" in low:
     return StorageError(f"{s}://{bucket}: the bucket does not exist; create it or fix the "
                         f"name in {url}")
-  if any(w in low for w in ("accessdenied", "access denied", "forbidden", "403",
-                            "invalidaccesskeyid", "signaturedoesnotmatch", "401",
-                            "permission")):
+  # s3fs turns AccessDenied / InvalidAccessKeyId / SignatureDoesNotMatch into a
+  # PermissionError whose text no longer names the code.
+  if isinstance(e, PermissionError) or any(
+      w in low for w in ("accessdenied", "access denied", "forbidden", "403",
+                         "invalidaccesskeyid", "signaturedoesnotmatch", "401", "permission")):
     var = ("GOOGLE_APPLICATION_CREDENTIALS" if s == "gs"
            else "AWS_PROFILE or AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
     return StorageError(f"{url}: {op} refused ({_describe_error(e)}); check the credentials "
@@ -781,3 +791,16 @@ class AppendMirror:
       return
     self.sync()
     shutil.rmtree(self.root, ignore_errors=True)
+
+
+# ------------------------------------------ outputs (eval, infer, convert, export, serve)
+
+def check_new_output(url: str) -> str:
+  """`url` normalized, for a directory about to be written under that bucket prefix: one
+  line (StorageError / UserError) naming it when the bucket does not exist, the client or
+  credentials are missing, or the prefix already holds files."""
+  url = normalize(url)
+  check_bucket(url)
+  if walk_files(url):
+    raise UserError(f"{url}: exists and is not empty; choose a new output directory")
+  return url

@@ -231,6 +231,8 @@ def main(argv: list[str]) -> int:
   unknown = sorted(set(warm) - {"greedy", "sample", "score", "embed"})
   if unknown:
     raise UserError(f"--warmup {unknown}: choose from greedy, sample, score, embed")
+  given = args.checkpoint
+  _bucket_paths(args)
   from t5forge.serve import auth  # noqa: PLC0415 (after the flags parse: --help stays fast)
   # Before anything slow: a bad key file or limit is said at once.
   keys = auth.load_keys(args.api_key, args.api_key_file)
@@ -246,7 +248,7 @@ def main(argv: list[str]) -> int:
     raise UserError(f"--chat_template {args.chat_template}: no such file; give a Jinja chat "
                     "template file such as a model's chat_template.jinja")
   from t5forge.serve import adapters as adapter_lib  # noqa: PLC0415 (after the flags parse: --help stays fast)
-  name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
+  name = args.model_name or os.path.basename(os.path.normpath(given))
   specs = adapter_lib.parse(args.adapter, base_name=name)
   sock = _bind(args.host, args.port)
 
@@ -290,6 +292,30 @@ def main(argv: list[str]) -> int:
                     adapters=adapter_names)
   return _run(app_lib.create_app(service), service, sock, args.host, t0,
               f"{len(jax.devices())} {jax.devices()[0].platform} device(s)")
+
+
+def _bucket_paths(args) -> None:
+  """Bucket URLs among the flags, read through local copies (one per object version,
+  under T5FORGE_CACHE): an exported directory (its standalone loader reads local files),
+  --chat_template and --api_key_file. A checkpoint of any other kind stays a URL: the
+  opener reads it. A missing bucket or object is one line naming it."""
+  from t5forge import storage  # noqa: PLC0415 (after the flags parse: --help stays fast)
+  if storage.is_remote(args.checkpoint):
+    from t5forge.export import loader as exported  # noqa: PLC0415 (as above)
+    storage.check_bucket(args.checkpoint)
+    try:
+      found = json.loads(storage.read_text(storage.join(args.checkpoint, "manifest.json")))
+    except (FileNotFoundError, ValueError):
+      found = None
+    if isinstance(found, dict) and found.get("format") == exported.FORMAT:
+      args.checkpoint = storage.local_copy(args.checkpoint)
+  for flag in ("chat_template", "api_key_file"):
+    path = getattr(args, flag)
+    if path and storage.is_remote(path):
+      try:
+        setattr(args, flag, storage.local_copy(path))
+      except FileNotFoundError:
+        raise UserError(f"--{flag} {path}: no such object; check the URL") from None
 
 
 def _chat_template(args, vocab):

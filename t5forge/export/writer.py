@@ -31,7 +31,8 @@ Function signatures (shape letters as in docs/shapes.md; every argument position
 tokens only, 0 after EOS or after max_new_tokens.
 
 The directory is written under a temporary sibling and renamed into place at the end, so
-it exists complete or not at all.
+it exists complete or not at all. A `gs://` / `s3://` output is written locally and
+uploaded, manifest.json last: a reader takes a prefix without it as no export.
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5forge import decoding, files
+from t5forge import decoding, files, storage
 from t5forge.data.vocab import SentencePieceVocabulary
 from t5forge.errors import UserError
 from t5forge.export import loader
@@ -195,7 +196,10 @@ def check_shapes(shapes: list[Shape], config, vocab) -> None:
 
 
 def check_output(out_dir: str) -> str:
-  """The absolute output path; a UserError if it exists and is not an empty directory."""
+  """The absolute output path (a bucket URL normalized); a UserError if it exists and is
+  not an empty directory, or names a bucket that does not exist."""
+  if storage.is_remote(out_dir):
+    return storage.check_new_output(out_dir)
   out_dir = os.path.abspath(out_dir)
   if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
     raise UserError(f"{out_dir}: exists and is not empty; choose a new output directory")
@@ -227,7 +231,7 @@ def export_jax(model, params: dict, vocab, out_dir: str, *, shapes: list[Shape],
   check_shapes(shapes, config, vocab)
   out_dir = check_output(out_dir)
   # Written into a temporary sibling renamed into place: complete or absent.
-  with files.staged_dir(out_dir) as tmp:
+  with files.staged_dir(out_dir, last=(MANIFEST_FILE,)) as tmp:
     os.makedirs(os.path.join(tmp, "functions"))
     flat = flatten_params(jax.device_get(params))
     from safetensors.numpy import save_file  # noqa: PLC0415 (slow or optional import, on first use)

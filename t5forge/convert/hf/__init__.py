@@ -135,7 +135,8 @@ def save_hf(params: dict, config: ModelConfig, out_dir: str, *,
       os.path.isfile(os.path.join(tokenizer_dir, n)) for n in family.tokenizer_files)
   copy = has_tokenizer and (vocabulary is None
                             or difference(vocabulary, from_hf_dir(tokenizer_dir)) is None)
-  with files.staged_dir(out_dir) as tmp:
+  # On a bucket config.json goes last: a prefix without it is not an HF directory.
+  with files.staged_dir(out_dir, last=(CONFIG_FILE,)) as tmp:
     files.write_json(os.path.join(tmp, CONFIG_FILE), hf_config, sort_keys=True)
     files.write_json(os.path.join(tmp, GENERATION_CONFIG_FILE), family.generation_config(config),
                      sort_keys=True)
