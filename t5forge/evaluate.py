@@ -408,6 +408,8 @@ def evaluate(*, dataset_cfg, restore_checkpoint_cfg, model=None, output_dir: str
     storage.check_bucket(output_dir)
   if mode == "all":
     checkpoints = paths.resolve_all(path)
+  elif storage.is_remote(path):  # stays a URL: the outputs go beside it, in the bucket
+    checkpoints = [paths.resolve(path)]
   else:  # 'latest' and 'specific': a MODEL_DIR means its newest; a Hub name is fetched
     checkpoints = [paths.resolve(convert.local_path(path))]
   model_dir = checkpoints[0].model_dir or checkpoints[0].path
@@ -447,6 +449,8 @@ def evaluate(*, dataset_cfg, restore_checkpoint_cfg, model=None, output_dir: str
           raise UserError(evaluator.no_tasks_reason)
         done = evaluator.records()
       identity = opened.identity()
+      if storage.is_remote(located.path):  # read through a local copy: record the URL
+        identity["path"] = located.path
       why = "" if force else evaluator.why_evaluate(done, ckpt.step, identity)
       if why is None:
         print(f"step {ckpt.step}: already evaluated on the same examples and options "

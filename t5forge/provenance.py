@@ -17,6 +17,8 @@ import json
 import os
 from typing import Any
 
+from t5forge import storage
+
 # Files up to this size are hashed; larger ones (weights) count by size and mtime, so
 # that a fingerprint costs a few stat calls, not a read of the model.
 _HASHED_FILE_BYTES = 1 << 20
@@ -48,10 +50,20 @@ def checkpoint_identity(path: str | None, step: int, fmt: str | None) -> dict[st
 
   The digest covers the checkpoint directory's top-level files: small ones (Orbax's
   _CHECKPOINT_METADATA with its commit time, manifests, config.json) by content, large ones
-  (weights) by name, size and mtime; a checkpoint rewritten at the same path differs.
+  (weights) by name, size and mtime; a checkpoint rewritten at the same path differs. In
+  a bucket, every top-level object by name, size and version (GCS generation / S3 ETag,
+  new whenever an object is rewritten), from one listing: nothing is downloaded.
   """
   if path is None:
     return {"path": None, "step": int(step), "format": fmt, "content": None}
+  if storage.is_remote(path):
+    path = storage.normalize(path)
+    h = hashlib.sha256()
+    listing = storage.walk_files(path) or {storage.basename(path): storage.info(path)}
+    for name, entry in sorted(listing.items()):
+      if "/" not in name:  # parameter subdirectories: covered by the commit metadata
+        h.update(f"{name}\0{entry['size']}\0{entry['version']}\0".encode())
+    return {"path": path, "step": int(step), "format": fmt, "content": h.hexdigest()}
   path = os.path.abspath(path)
   h = hashlib.sha256()
   names = sorted(os.listdir(path)) if os.path.isdir(path) else [os.path.basename(path)]

@@ -13,6 +13,7 @@ import pytest
 
 from t5forge import storage
 from t5forge import testing as sh
+from t5forge.testing import Emulator
 from train_helpers import ROOT, error_line
 
 pytestmark = pytest.mark.slow  # subprocess runs and compiles: make test, not test-fast
@@ -46,7 +47,7 @@ def ckpt(tmp_path_factory):
   (d / "user" / "bucket_tasks.py").write_text(TASKS_PY % str(d / "verses.tsv"))
   (d / "pairs.tsv").write_text("".join(f"translate English to Spanish: {en}\t{es}\n"
                                        for en, es in VERSES))
-  return sh.tiny_checkpoint(str(d / "tiny"))
+  return sh.tiny_checkpoint(str(d / "tiny" / "checkpoint_3"))  # a MODEL_DIR's step 3
 
 
 def _cli(*args, env=None, timeout=600):
@@ -61,8 +62,12 @@ def _ok(r):
   return r.stdout
 
 
+def _data_dir(ckpt):
+  return os.path.dirname(os.path.dirname(ckpt))  # beside the MODEL_DIR
+
+
 def _user_dir(ckpt):
-  return os.path.join(os.path.dirname(ckpt), "user")
+  return os.path.join(_data_dir(ckpt), "user")
 
 
 def _lines(url):
@@ -71,7 +76,7 @@ def _lines(url):
 
 def test_infer_writes_merged_jsonl_to_the_bucket_and_refuses_other_work(bucket_env, ckpt):
   emu, bucket = bucket_env
-  src = os.path.join(os.path.dirname(ckpt), "pairs.tsv")
+  src = os.path.join(_data_dir(ckpt), "pairs.tsv")
   out = f"{bucket}/runs/infer/"  # a trailing slash is the same prefix
   base = ("infer", "--checkpoint", ckpt, "--input", src, "--output_dir", out,
           "--chunk_size", "1", "--batch_size", "1", "--max_decode_length", "4")
@@ -199,6 +204,65 @@ def test_export_to_the_bucket_is_served_from_it(bucket_env, ckpt):
   assert [c["text"] for c in body["choices"]] == texts
 
 
+def test_infer_and_eval_read_a_bucket_model_dir_and_write_beside_it(bucket_env, ckpt):
+  """A MODEL_DIR in the bucket: `infer` predicts what it does from the local copy, and
+  `eval` writes MODEL_DIR/inference_eval in the bucket (not beside a local copy)."""
+  emu, bucket = bucket_env
+  run = f"{bucket}/run"
+  storage.copy_tree(os.path.dirname(ckpt), run)
+  src = os.path.join(_data_dir(ckpt), "pairs.tsv")
+  preds = {}
+  for where, checkpoint in (("local", ckpt), ("bucket", run)):
+    out = f"{bucket}/infer-{where}"
+    _ok(_cli("infer", "--checkpoint", checkpoint, "--input", src, "--output_dir", out,
+             "--max_decode_length", "4"))
+    rows = _lines(f"{out}/pairs-3.jsonl")
+    preds[where] = [r["prediction_tokens"] for r in rows]
+  assert preds["bucket"] == preds["local"]
+  fingerprint = json.loads(storage.read_text(f"{bucket}/infer-bucket/pairs-3.jsonl"
+                                             ".fingerprint.json"))
+  if emu.scheme == "gs":  # read in place; an s3:// checkpoint is read from a local copy
+    assert fingerprint["checkpoint"]["path"] == f"{run}/checkpoint_3", fingerprint
+  env = dict(os.environ, PYTHONPATH=_user_dir(ckpt))
+  stdout = _ok(_cli("eval", "--checkpoint", run, "--task", "bucket_tiny_en_es", "--module",
+                    "bucket_tasks", "--batch_size", "3", env=env))
+  assert "step 3: bucket_tiny_en_es/bleu" in stdout, stdout
+  names = storage.listdir(f"{run}/inference_eval")
+  assert names == ["bucket_tiny_en_es", "bucket_tiny_en_es-3.jsonl",
+                   "bucket_tiny_en_es-metrics.jsonl"], names
+  record = _lines(f"{run}/inference_eval/bucket_tiny_en_es-metrics.jsonl")[0]
+  assert record["coverage"]["checkpoint"]["path"] == f"{run}/checkpoint_3"
+
+
+def test_serve_and_export_read_a_bucket_checkpoint(bucket_env, ckpt, tmp_path):
+  """`serve --checkpoint` a bucket MODEL_DIR answers as `infer` of it predicts; `export
+  --checkpoint` reads one from the bucket."""
+  emu, bucket = bucket_env
+  run = f"{bucket}/run"
+  storage.copy_tree(os.path.dirname(ckpt), run)
+  prompts = ["translate English to Spanish: God is love.", "Jesus wept."]
+  (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
+  _ok(_cli("infer", "--checkpoint", run, "--input", str(tmp_path / "prompts.txt"),
+           "--output_dir", str(tmp_path / "out"), "--max_decode_length", "4"))
+  want = [json.loads(line)["prediction"] for line in open(tmp_path / "out" / "prompts-3.jsonl")]
+  srv = sh.Server(run, "--max_batch_size", "2", "--batch_buckets", "1,2", "--length_buckets",
+                  "32", "--decode_buckets", "4", "--warmup", "greedy")
+  try:
+    assert "model 'run'" in srv.ready_line, srv.ready_line
+    status, _, body = sh.request(srv.url, "/v1/completions", {
+        "prompt": prompts, "max_tokens": 4, "temperature": 0})
+    assert status == 200 and [c["text"] for c in body["choices"]] == want, (body, want)
+  finally:
+    assert srv.stop() == 0, srv.output()[-3000:]
+  out = str(tmp_path / "exported")
+  _ok(_cli("export", "--checkpoint", run, "--output", out, "--format", "jax",
+           "--batch_sizes", "2", "--input_lengths", "32", "--decode_lengths", "4"))
+  manifest = json.load(open(os.path.join(out, "manifest.json")))
+  assert manifest["source"]["step"] == 3, manifest["source"]
+  if emu.scheme == "gs":  # read in place; an s3:// checkpoint is read from a local copy
+    assert manifest["source"]["path"] == f"{run}/checkpoint_3", manifest["source"]
+
+
 # --------------------------------------------------------------------------- bad input
 
 def _without_clouds(tmp_path) -> dict:
@@ -226,7 +290,7 @@ def test_missing_bucket_is_one_line_for_every_command(bucket_env, ckpt, tmp_path
   emu, bucket = bucket_env
   missing = f"{emu.scheme}://no-such-bucket-t5forge"
   want = f"{missing}: the bucket does not exist; create it or fix the name in {missing}/x"
-  src = os.path.join(os.path.dirname(ckpt), "pairs.tsv")
+  src = os.path.join(_data_dir(ckpt), "pairs.tsv")
   for args in (("convert", "--input", ckpt, "--output", f"{missing}/x", "--to", "hf"),
                ("export", "--checkpoint", ckpt, "--output", f"{missing}/x", "--format", "jax"),
                ("infer", "--checkpoint", ckpt, "--input", src, "--output_dir", f"{missing}/x"),
@@ -253,7 +317,6 @@ def test_refused_credentials_name_the_variable(tmp_path):
   msg = _convert_to("gs://some-bucket/out", env, tmp_path)
   assert f"GOOGLE_APPLICATION_CREDENTIALS={key} was refused" in msg and "not a valid json" in msg
   # An S3 service that checks keys (moto with authentication on) refuses unknown ones.
-  from buckets import Emulator
   os.environ["INITIAL_NO_AUTH_ACTION_COUNT"] = "0"  # the emulator process inherits it
   try:
     emu = Emulator("s3", str(tmp_path / "moto"))
@@ -281,7 +344,7 @@ def test_missing_client_package_names_the_extra(scheme, package, extra, tmp_path
 
 
 def test_unknown_scheme_is_named(ckpt, tmp_path):
-  src = os.path.join(os.path.dirname(ckpt), "pairs.tsv")
+  src = os.path.join(_data_dir(ckpt), "pairs.tsv")
   for args in (("convert", "--input", ckpt, "--output", "hdfs://x/y", "--to", "hf"),
                ("export", "--checkpoint", ckpt, "--output", "hdfs://x/y", "--format", "jax"),
                ("infer", "--checkpoint", ckpt, "--input", src, "--output_dir", "hdfs://x/y"),
