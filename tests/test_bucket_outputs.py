@@ -263,6 +263,40 @@ def test_serve_and_export_read_a_bucket_checkpoint(bucket_env, ckpt, tmp_path):
     assert manifest["source"]["path"] == f"{run}/checkpoint_3", manifest["source"]
 
 
+def test_adapter_converted_into_the_bucket_is_served_from_it(bucket_env, ckpt, tmp_path):
+  """`convert --adapter ... --to peft --output <bucket>` uploads peft's directory (its
+  adapter_config.json last); `serve --adapter name=<bucket URL>` reads it from there."""
+  import dataclasses
+
+  import jax
+
+  import t5forge
+  from t5forge import models
+  from t5forge.nn import adapters, lora
+  from t5forge.serve import adapters as serve_adapters
+  emu, bucket = bucket_env
+  base = t5forge.load(ckpt)
+  config = dataclasses.replace(base.config, lora=lora.LoraConfig(rank=4, alpha=8.0,
+                                                                 targets="qv"))
+  adapter, _ = adapters.split(models.model_for(config).init_params(jax.random.key(1)))
+  ours = str(tmp_path / "ours")
+  adapters.save(ours, adapter, model_config=config.to_dict(), record={
+      "base": ckpt, "fingerprint": adapters.fingerprint(base.params), "base_dtype": "float32"})
+  url = f"{bucket}/adapters/qv"
+  stdout = _ok(_cli("convert", "--adapter", ours, "--base", ckpt, "--to", "peft",
+                    "--output", url))
+  assert url in stdout and "t5forge-upload-" not in stdout, stdout
+  assert sorted(storage.walk_files(url)) == ["adapter_config.json", "adapter_model.safetensors"]
+  (spec,) = serve_adapters.parse([f"qv={url}"], base_name="tiny")
+  assert spec.path == url and os.path.isdir(spec.local)
+  got = serve_adapters._read(spec, base.config, adapters.fingerprint(base.params), "tiny")[1]
+  for a, b in zip(jax.tree.leaves(adapters.split(adapters.join(adapter, base.params))[0]),
+                  jax.tree.leaves(got), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(t5forge.UserError, match=r"/adapters/none is not a directory"):
+    serve_adapters.parse([f"qv={bucket}/adapters/none"], base_name="tiny")
+
+
 # --------------------------------------------------------------------------- bad input
 
 def _without_clouds(tmp_path) -> dict:

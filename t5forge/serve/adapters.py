@@ -20,6 +20,7 @@ import dataclasses
 import os
 import re
 
+from t5forge import storage
 from t5forge.errors import UserError
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]*")
@@ -27,9 +28,10 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]*")
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-  """One `--adapter name=path`."""
+  """One `--adapter name=path` (`local`: where it is read, a local copy of a bucket URL)."""
   name: str
   path: str
+  local: str = ""
 
 
 def parse(values: list[str], *, base_name: str) -> list[Spec]:
@@ -52,10 +54,16 @@ def parse(values: list[str], *, base_name: str) -> list[Spec]:
     if any(s.name == name for s in specs):
       raise UserError(f"--adapter {value!r}: the name {name!r} is given twice; give each "
                       "adapter its own name")
-    if not os.path.isdir(path):
+    local = path
+    if storage.is_remote(path):  # a local copy, made once per object version
+      try:
+        local = storage.local_copy(path)
+      except FileNotFoundError:
+        local = ""
+    if not os.path.isdir(local):
       raise UserError(f"--adapter {value!r}: {path} is not a directory; give an adapter "
                       "directory (adapter.json, or peft's adapter_config.json)")
-    specs.append(Spec(name, path))
+    specs.append(Spec(name, path, local))
   return specs
 
 
@@ -65,7 +73,7 @@ def _read(spec: Spec, base_config, base_fingerprint: str, base: str):
   peft's; the fingerprint where the adapter records one, the kernels' shapes always)."""
   from t5forge.convert import peft  # noqa: PLC0415 (the flags are checked before jax loads)
   try:
-    config, params = peft.read_adapter(spec.path, base_config.replace(scan_layers=False,
+    config, params = peft.read_adapter(spec.local or spec.path, base_config.replace(scan_layers=False,
                                                                       lora=None),
                                        fingerprint=base_fingerprint, base_name=base)
   except UserError as e:
