@@ -34,6 +34,7 @@ import datetime
 import glob as globlib
 import hashlib
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -245,9 +246,16 @@ def _is_transient(e: BaseException) -> bool:
     return True
   if isinstance(e, (ConnectionError, TimeoutError)):
     return True
-  text = str(e).lower()
-  return any(w in text for w in ("connect", "timed out", "timeout", "503", "502", "500 ",
-                                 "reset by peer", "service unavailable", "slowdown"))
+  text = _words(e)
+  return bool(re.search(r"\b(500|502|503)\b", text)) or any(
+      w in text for w in ("connect", "timed out", "timeout", "reset by peer",
+                          "service unavailable", "slowdown"))
+
+
+def _words(e: BaseException) -> str:
+  """The error's text, lower case, without the URLs in it: a status code is never read
+  out of an object name or a port ('.../checkpoint_4030', '127.0.0.1:40373')."""
+  return re.sub(r"\S*://\S*", " ", str(e).lower())
 
 
 def _describe_error(e: BaseException) -> str:
@@ -257,17 +265,18 @@ def _describe_error(e: BaseException) -> str:
 
 def _user_error(url: str, op: str, e: BaseException) -> Exception:
   s, bucket, _ = split(url)
-  text = str(e)
-  low = text.lower()
+  low = _words(e)
   if "nosuchbucket" in low or "bucket does not exist" in low or (
       "not found" in low and "bucket" in low) or "the specified bucket" in low:
     return StorageError(f"{s}://{bucket}: the bucket does not exist; create it or fix the "
                         f"name in {url}")
+  if isinstance(e, FileNotFoundError):  # a missing object, said by the caller
+    return e
   # s3fs turns AccessDenied / InvalidAccessKeyId / SignatureDoesNotMatch into a
   # PermissionError whose text no longer names the code.
-  if isinstance(e, PermissionError) or any(
-      w in low for w in ("accessdenied", "access denied", "forbidden", "403",
-                         "invalidaccesskeyid", "signaturedoesnotmatch", "401", "permission")):
+  if isinstance(e, PermissionError) or re.search(r"\b(401|403)\b", low) or any(
+      w in low for w in ("accessdenied", "access denied", "forbidden",
+                         "invalidaccesskeyid", "signaturedoesnotmatch", "permission")):
     var = ("GOOGLE_APPLICATION_CREDENTIALS" if s == "gs"
            else "AWS_PROFILE or AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
     return StorageError(f"{url}: {op} refused ({_describe_error(e)}); check the credentials "

@@ -443,3 +443,31 @@ def test_unknown_scheme_is_named(ckpt, tmp_path):
     msg = error_line(_cli(*args, timeout=300))
     assert "unknown storage scheme 'hdfs://'" in msg and "hdfs://x/y" in msg, (args[0], msg)
   assert not os.path.exists(os.path.join(ROOT, "hdfs:"))  # no local folder made of it
+
+
+def test_status_codes_are_not_read_out_of_urls(monkeypatch):
+  """gcsfs says a missing object with its URL; an emulator port or an object name with 403
+  or 503 in it is not a refusal or an outage (a missing fingerprint read as 'refused')."""
+  monkeypatch.setenv("T5FORGE_STORAGE_RETRIES", "3")
+  calls = []
+
+  def missing():
+    calls.append(1)
+    raise FileNotFoundError("http://127.0.0.1:40373/download/storage/v1/b/x/o/step_4030.json")
+
+  with pytest.raises(FileNotFoundError):
+    storage.call("gs://x/step_4030.json", "read", missing)
+
+  def bad():
+    calls.append(1)
+    raise ValueError("http://127.0.0.1:50312/b/x/o/run-503: 400 bad request")
+
+  with pytest.raises(ValueError):
+    storage.call("gs://x/run-503", "read", bad)
+  assert len(calls) == 2  # neither was retried
+
+  def refused():
+    raise OSError("403 Forbidden: http://127.0.0.1:4000/b/x")
+
+  with pytest.raises(storage.StorageError, match=r"gs://x/y: read refused"):
+    storage.call("gs://x/y", "read", refused)
