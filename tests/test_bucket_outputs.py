@@ -259,16 +259,19 @@ def test_export_to_the_bucket_is_served_from_it(bucket_env, ckpt):
 
 
 def test_infer_and_eval_read_a_bucket_model_dir_and_write_beside_it(bucket_env, ckpt):
-  """A MODEL_DIR in the bucket: `infer` predicts what it does from the local copy, and
-  `eval` writes MODEL_DIR/inference_eval in the bucket (not beside a local copy)."""
+  """A MODEL_DIR and an input file in the bucket: `infer` predicts what it does from the
+  local copies, and `eval` writes MODEL_DIR/inference_eval in the bucket (not beside a
+  local copy)."""
   emu, bucket = bucket_env
   run = f"{bucket}/run"
   storage.copy_tree(os.path.dirname(ckpt), run)
   src = os.path.join(_data_dir(ckpt), "pairs.tsv")
+  storage.upload(src, f"{bucket}/data/pairs.tsv")
   preds = {}
-  for where, checkpoint in (("local", ckpt), ("bucket", run)):
+  for where, checkpoint, inputs in (("local", ckpt, src),
+                                    ("bucket", run, f"{bucket}/data/pairs.tsv")):
     out = f"{bucket}/infer-{where}"
-    _ok(_cli("infer", "--checkpoint", checkpoint, "--input", src, "--output_dir", out,
+    _ok(_cli("infer", "--checkpoint", checkpoint, "--input", inputs, "--output_dir", out,
              "--max_decode_length", "4"))
     rows = _lines(f"{out}/pairs-3.jsonl")
     preds[where] = [r["prediction_tokens"] for r in rows]
