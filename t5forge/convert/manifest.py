@@ -101,6 +101,24 @@ def _files(directory: str) -> list[str]:
   return out
 
 
+def committed_on_bucket(directory: str, names: set[str]) -> bool:
+  """Whether the checkpoint under the bucket prefix `directory`, whose top-level object
+  names are `names`, is committed. Orbax writing in place on `gs://` adds its commit marker
+  (`commit_success.txt`) after our manifest, and a run killed between the two leaves a step
+  Orbax deems unfinished (and deletes when it next starts): that needs both. A checkpoint
+  uploaded from a local copy (staged on `s3://`, or copied up by hand) has no Orbax marker;
+  its manifest, written last, commits it."""
+  if MANIFEST not in names:
+    return False
+  if _orbax_paths().COMMIT_SUCCESS_FILE in names:
+    return True
+  try:
+    recorded = json.loads(storage.read_bytes(storage.join(directory, MANIFEST)))
+  except (OSError, ValueError):
+    return True  # unreadable: listed, and `verify` names the damage
+  return not (isinstance(recorded, dict) and recorded.get("hash") == OBJECT)
+
+
 def write_objects(directory: str, extra_files: dict[str, str] | None = None) -> None:
   """The manifest of a checkpoint Orbax wrote in place under the bucket prefix
   `directory`, from one listing (see the module doc), after writing `extra_files`

@@ -85,9 +85,14 @@ def checkpoint_steps(model_dir: str) -> list[int]:
   """Steps of the committed checkpoints in MODEL_DIR, ascending (intact or not; a damaged
   one set aside by training is renamed `checkpoint_<step>.damaged-<time>` and not listed)."""
   if storage.is_remote(model_dir):
-    # One listing: the committed steps are those whose manifest is there.
-    found = storage.glob(storage.join(model_dir, f"{CHECKPOINT_PREFIX}*", manifest.MANIFEST))
-    return sorted({step_of(storage.dirname(f)) for f in found} - {None})
+    # One listing of every step's top-level objects; `manifest.committed_on_bucket` decides.
+    names: dict[int, set[str]] = {}
+    for found in storage.glob(storage.join(model_dir, f"{CHECKPOINT_PREFIX}*", "*")):
+      step = step_of(storage.dirname(found))
+      if step is not None:
+        names.setdefault(step, set()).add(storage.basename(found))
+    return sorted(step for step, have in names.items()
+                  if manifest.committed_on_bucket(step_dir(model_dir, step), have))
   if not os.path.isdir(model_dir):
     return []
   steps = []

@@ -95,7 +95,7 @@ def write_t5(vocab: Vocabulary | None, out_dir: str) -> list[str]:
     return [f"no tokenizer written: transformers has no tokenizer for {describe(vocab)}"]
   # Lazy: the protobuf module costs ~80 ms, needed only when a tokenizer is written.
   from sentencepiece import sentencepiece_model_pb2 as model_pb2  # noqa: PLC0415 (slow or optional import, on first use)
-  with open(vocab.path, "rb") as f:
+  with open(vocab.local_path, "rb") as f:
     blob = f.read()
   proto = model_pb2.ModelProto()
   proto.ParseFromString(blob)
@@ -208,10 +208,10 @@ def write_gemma(vocabulary: Vocabulary | None, out_dir: str) -> list[str]:
   if vocabulary is None:
     return [_NO_VOCABULARY]
   if isinstance(vocabulary, SentencePieceVocabulary) and not vocabulary.extra_ids:
-    shutil.copy(vocabulary.path, os.path.join(out_dir, "tokenizer.model"))
+    shutil.copy(vocabulary.local_path, os.path.join(out_dir, "tokenizer.model"))
     piece = vocabulary.processor.id_to_piece
   elif isinstance(vocabulary, TokenizersVocabulary):
-    shutil.copy(vocabulary.path, os.path.join(out_dir, "tokenizer.json"))
+    shutil.copy(vocabulary.local_path, os.path.join(out_dir, "tokenizer.json"))
     piece = vocabulary.tokenizer.id_to_token
   else:
     return [f"no tokenizer written: a T5Gemma directory holds tokenizer.model or "
