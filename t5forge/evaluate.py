@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from typing import Any
 
 import jax
@@ -135,7 +133,9 @@ class InferenceEvaluator:
     self.batch_size = int(dataset_cfg.batch_size)
     self._engines: dict[tuple[int, int], Any] = {}
     self._writers = {}
-    self._event_dirs: dict[str, tuple[str, str]] = {}  # task -> (local dir, bucket URL)
+    # TensorBoard's writers append to their event files, which a bucket cannot: on a bucket
+    # they write a local working copy, sent whole after each evaluation.
+    self._events: storage.AppendMirror | None = None
     self.metric_writer = metric_writer
 
   @property
@@ -267,26 +267,20 @@ class InferenceEvaluator:
         for k, v in scalars.items():
           writer.add_scalar(f"{name}/{k}", v, step)
         writer.flush()
-        self._upload_events(name)
+        self._sync_events()
     return out
 
   def _tensorboard(self, name: str):
     if name not in self._writers:
       from tensorboardX import SummaryWriter  # noqa: PLC0415 (slow or optional import, on first use)
-      where = storage.join(self.output_dir, name)
-      if storage.is_remote(where):
-        # The writer appends to its event file, which a bucket cannot: it writes a local
-        # directory whose files are sent whole after each evaluation.
-        local = tempfile.mkdtemp(prefix="t5forge-events-")
-        self._event_dirs[name] = (local, where)
-        where = local
-      self._writers[name] = SummaryWriter(where)
+      if self._events is None:
+        self._events = storage.AppendMirror(self.output_dir, name=f"eval-{os.getpid()}")
+      self._writers[name] = SummaryWriter(self._events.path(name))
     return self._writers[name]
 
-  def _upload_events(self, name: str) -> None:
-    if name in self._event_dirs:
-      local, url = self._event_dirs[name]
-      storage.upload_tree(local, url)
+  def _sync_events(self) -> None:
+    if self._events is not None:
+      self._events.sync()
 
   def records(self) -> dict[str, list[dict]]:
     """Each task's <task>-metrics.jsonl lines (earlier evaluations), oldest first."""
@@ -330,12 +324,11 @@ class InferenceEvaluator:
     return "; ".join(reasons) if reasons or missing else None
 
   def close(self) -> None:
-    for name, w in self._writers.items():
+    for w in self._writers.values():
       w.close()
-      self._upload_events(name)
-    for local, _ in self._event_dirs.values():
-      shutil.rmtree(local, ignore_errors=True)
-    self._writers, self._event_dirs = {}, {}
+    if self._events is not None:
+      self._events.close()
+    self._writers, self._events = {}, None
     for dec in self._engines.values():
       dec.close()
     self._engines = {}
