@@ -390,8 +390,9 @@ def listdir(path: str) -> list[str]:
 
 
 def walk_files(path: str) -> dict[str, dict]:
-  """Every object under the prefix `path` -> its info (size, version), keyed by the path
-  relative to `path` ('/'-separated). Local directories are walked the same way."""
+  """Every object under the prefix `path` -> its info (size, version; for a bucket also
+  'md5', GCS's server-side `md5Hash` in base64 or None), keyed by the path relative to
+  `path` ('/'-separated), from one listing. Local directories are walked the same way."""
   if not is_remote(path):
     out = {}
     for root, _, files in os.walk(path):
@@ -413,7 +414,8 @@ def walk_files(path: str) -> dict[str, dict]:
     if entry.get("type") == "directory" or name.rstrip("/") == p:
       continue
     out[name[len(p) + 1:]] = {"size": int(entry.get("size") or 0),
-                              "version": _version_of(entry)}
+                              "version": _version_of(entry),
+                              "md5": entry.get("md5Hash") or None}
   return out
 
 
@@ -712,27 +714,6 @@ def staged_upload(url: str, *, last: tuple[str, ...] = ()) -> Iterator[str]:
 
 
 # ------------------------------------------------------------- checkpoints (manifest)
-
-def object_checksums(path: str) -> dict[str, dict]:
-  """`walk_files` of a bucket prefix with each object's server-side content hash where
-  the listing carries one ('md5': GCS `md5Hash`, base64), from the same single listing:
-  what a checkpoint manifest on a bucket records and checks without reading objects."""
-  fs = filesystem(path)
-  p = _fs_path(path).rstrip("/")
-  fs.invalidate_cache(p)
-  try:
-    found = call(path, "list", lambda: fs.find(p, detail=True))
-  except FileNotFoundError:
-    return {}
-  out = {}
-  for name, entry in found.items():
-    if entry.get("type") == "directory" or name.rstrip("/") == p:
-      continue
-    out[name[len(p) + 1:]] = {"size": int(entry.get("size") or 0),
-                              "version": _version_of(entry),
-                              "md5": entry.get("md5Hash") or None}
-  return out
-
 
 def forget_shared_listings(path: str) -> None:
   """Forgets the listings cached by the client of `path`'s scheme, which Orbax (through etils epath)

@@ -128,7 +128,7 @@ def write_objects(directory: str, extra_files: dict[str, str] | None = None) -> 
   unlisted = _unlisted()
   files = {rel: {"size": o["size"], **({"md5": o["md5"]} if o.get("md5") else {}),
                  "version": o["version"]}
-           for rel, o in sorted(storage.object_checksums(directory).items())
+           for rel, o in sorted(storage.walk_files(directory).items())
            if rel not in unlisted}
   data = json.dumps({"format": 1, "hash": OBJECT, "files": files}, indent=1)
   storage.write_bytes(storage.join(directory, MANIFEST), (data + "\n").encode("utf-8"))
@@ -188,7 +188,7 @@ def _verify_objects(directory: str, recorded: dict) -> None:
       raise TypeError(f"'files' is a {type(files).__name__}")
   except (KeyError, TypeError) as e:
     raise CheckpointDamaged(directory, f"{MANIFEST} is unreadable ({type(e).__name__})") from None
-  have = storage.object_checksums(directory)
+  have = storage.walk_files(directory)
   problems = []
   for rel, want in sorted(files.items()):
     got = have.get(rel)

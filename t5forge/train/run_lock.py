@@ -55,7 +55,21 @@ TIMEOUT_ENV = "T5FORGE_BUCKET_LOCK_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0
 
 
-class RunLock:
+class _Held:
+  """Both locks as context managers: `acquire()` on entry (its note logged), `release()`
+  on exit."""
+
+  def __enter__(self):
+    note = self.acquire()
+    if note:
+      log.info(note)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.release()
+
+
+class RunLock(_Held):
   """An exclusive lock on a directory for one run.
 
   Args:
@@ -124,14 +138,6 @@ class RunLock:
   def held(self) -> bool:
     return self._fd is not None
 
-  def __enter__(self) -> "RunLock":
-    note = self.acquire()
-    if note:
-      log.info(note)
-    return self
-
-  def __exit__(self, *exc) -> None:
-    self.release()
 
 
 def _flock(fd: int) -> bool | None:
@@ -239,7 +245,7 @@ def bucket_lock_timeout() -> float:
   return value
 
 
-class BucketLock:
+class BucketLock(_Held):
   """The lock of a run on a bucket MODEL_DIR: the object `MODEL_DIR/.lock`.
 
   Args:
@@ -380,11 +386,3 @@ class BucketLock:
   def held(self) -> bool:
     return self._thread is not None
 
-  def __enter__(self) -> "BucketLock":
-    note = self.acquire()
-    if note:
-      log.info(note)
-    return self
-
-  def __exit__(self, *exc) -> None:
-    self.release()
