@@ -1,5 +1,5 @@
 # make demo: train a small T5 on the bundled Bible task, evaluate BLEU, show translations.
-# make test: the whole test suite (35-55 min on 2 CPU cores, two pytest workers); make test-fast: all but the
+# make test: the whole test suite (30-55 min on 2 CPU cores, two pytest workers); make test-fast: all but the
 # tests marked slow, for your own edit-test loop.  make bench: the benchmarks.
 # Each creates .venv (Python 3.11) if it is missing and installs what it uses: the demo
 # only the library, test adds pytest + the numerical references (torch, transformers),
