@@ -22,7 +22,7 @@ from t5forge.errors import UserError
 from t5forge.train import loop, run_lock
 from t5forge.train import metrics as metrics_lib
 from train_helpers import (ROOT, error_line, final_params, fingerprints, run_train, train_cmd,
-                           write_gin)
+                           wait_all, write_gin)
 
 
 def _lines(url):
@@ -237,17 +237,7 @@ def test_two_processes_into_one_bucket_model_dir_agree_with_one(bucket_env, tmp_
                              f"--process_index={i}", "--heartbeat_timeout_seconds=10"],
       cwd=tmp_path, env=_env(tmp_path, devices=2), stdout=subprocess.PIPE,
       stderr=subprocess.PIPE, text=True) for i in range(2)]
-  outs = []
-  try:
-    for p in procs:
-      out, err = p.communicate(timeout=600)
-      assert p.returncode == 0, err[-3000:]
-      outs.append(out)
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
+  outs = wait_all(procs)
   assert "training stopped at step 4" in outs[0]
   fp = [_lines(storage.join(url, f"batch_fingerprints.{i}.jsonl")) for i in (0, 1)]
   assert fp[0] == fp[1] and len(fp[0]) == 4  # both processes read the same global batches

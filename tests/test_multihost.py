@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from t5forge.convert import native
-from train_helpers import ROOT, read_jsonl, write_gin
+from train_helpers import ROOT, read_jsonl, wait_all, write_gin
 
 pytestmark = pytest.mark.slow  # subprocess runs or heavy compiles: make test, not test-fast
 
@@ -51,16 +51,7 @@ def _params(model_dir, step):
 def test_two_processes_train_like_one_process_with_four_devices(tmp_path):
   gin = write_gin(tmp_path / "run.gin", steps=4, period=2)
   procs = _two_processes(gin, tmp_path / "two")
-  outs = []
-  try:
-    for p in procs:
-      out, err = p.communicate(timeout=600)
-      assert p.returncode == 0, err[-3000:]
-      outs.append(out)
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
+  outs = wait_all(procs)
   assert "training stopped at step 4" in outs[0]  # process 0 reports for both
   fp = [read_jsonl(tmp_path / "two" / f"batch_fingerprints.{i}.jsonl") for i in (0, 1)]
   assert fp[0] == fp[1] and len(fp[0]) == 4  # both read the same global batches

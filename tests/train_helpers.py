@@ -67,6 +67,23 @@ def kill_when(cmd, cond, timeout=300, cwd=ROOT, env=None) -> bool:
       proc.wait()
 
 
+def wait_all(procs, timeout=600) -> list[str]:
+  """The stdout of each process of a multi-process job, each of which must exit 0 (the
+  assertion shows its stderr's tail); any still running at the end is killed."""
+  outs = []
+  try:
+    for p in procs:
+      out, err = p.communicate(timeout=timeout)
+      assert p.returncode == 0, err[-3000:]
+      outs.append(out)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  return outs
+
+
 def final_params(model_dir):
   """(path, numpy params) of the latest checkpoint in model_dir."""
   import jax
