@@ -29,9 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5forge import convert, models, provenance
+from t5forge import convert, models, provenance, storage
 from t5forge import nn as t5nn
-from t5forge.convert import LoadedCheckpoint, load_checkpoint, native, peft
+from t5forge.convert import LoadedCheckpoint, load_checkpoint, native, paths, peft
 from t5forge.data import vocab_io
 from t5forge.errors import UserError
 from t5forge.nn import adapters, quant
@@ -60,15 +60,17 @@ class Opened:
   partitioner: Partitioner
   param_shardings: dict
   checkpoint: LoadedCheckpoint
+  source: str | None = None
 
   @property
   def config(self):
     return self.model.config
 
   def identity(self) -> dict:
-    """Where the parameters came from, as the provenance records of eval/infer hold it."""
+    """Where the parameters came from, as the provenance records of eval/infer hold it: for
+    a bucket checkpoint read through a local copy, the bucket's URL (`source`)."""
     c = self.checkpoint
-    return provenance.checkpoint_identity(c.path, c.step, c.format)
+    return provenance.checkpoint_identity(self.source or c.path, c.step, c.format)
 
 
 def _shardings(partitioner: Partitioner, axes: dict, params: dict) -> dict:
@@ -179,7 +181,8 @@ def open_checkpoint(path: str, *, vocabulary=None, model=None, overrides: dict |
     models.check_params_fit(model, ckpt.params, source=ckpt.source_for(model.config))
     params, shardings = _place_owned(partitioner, model, ckpt)
   return Opened(model=model, vocabulary=vocabulary, params=params, partitioner=partitioner,
-                param_shardings=shardings, checkpoint=ckpt)
+                param_shardings=shardings, checkpoint=ckpt,
+                source=_source(path, ckpt))
 
 
 def with_adapter(opened: Opened, adapter: str) -> Opened:
@@ -213,6 +216,14 @@ def with_adapter(opened: Opened, adapter: str) -> Opened:
   placed = opened.partitioner.place(params, adapters.split(shardings)[0])
   return dataclasses.replace(opened, model=model, params=adapters.join(placed, opened.params),
                              param_shardings=shardings)
+
+
+def _source(path: str, ckpt: LoadedCheckpoint) -> str | None:
+  """The bucket URL of the checkpoint `path` names when `ckpt` was read from a local copy
+  of it (s3://, or an HF / T5X checkpoint on either bucket); None otherwise."""
+  if path and storage.is_remote(path) and not storage.is_remote(ckpt.path):
+    return paths.resolve(path).path
+  return None
 
 
 def _read(path: str, overrides: dict,

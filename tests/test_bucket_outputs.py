@@ -278,8 +278,8 @@ def test_infer_and_eval_read_a_bucket_model_dir_and_write_beside_it(bucket_env, 
   assert preds["bucket"] == preds["local"]
   fingerprint = json.loads(storage.read_text(f"{bucket}/infer-bucket/pairs-3.jsonl"
                                              ".fingerprint.json"))
-  if emu.scheme == "gs":  # read in place; an s3:// checkpoint is read from a local copy
-    assert fingerprint["checkpoint"]["path"] == f"{run}/checkpoint_3", fingerprint
+  # the URL, also for s3:// (read through a local copy)
+  assert fingerprint["checkpoint"]["path"] == f"{run}/checkpoint_3", fingerprint
   env = dict(os.environ, PYTHONPATH=_user_dir(ckpt))
   stdout = _ok(_cli("eval", "--checkpoint", run, "--task", "bucket_tiny_en_es", "--module",
                     "bucket_tasks", "--batch_size", "3", env=env))
@@ -316,8 +316,7 @@ def test_serve_and_export_read_a_bucket_checkpoint(bucket_env, ckpt, tmp_path):
            "--batch_sizes", "2", "--input_lengths", "32", "--decode_lengths", "4"))
   manifest = json.load(open(os.path.join(out, "manifest.json")))
   assert manifest["source"]["step"] == 3, manifest["source"]
-  if emu.scheme == "gs":  # read in place; an s3:// checkpoint is read from a local copy
-    assert manifest["source"]["path"] == f"{run}/checkpoint_3", manifest["source"]
+  assert manifest["source"]["path"] == f"{run}/checkpoint_3", manifest["source"]
 
 
 def test_adapter_converted_into_the_bucket_is_served_from_it(bucket_env, ckpt, tmp_path):
