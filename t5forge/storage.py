@@ -321,56 +321,42 @@ def call(url: str, op: str, fn: Callable[[], Any]) -> Any:
 
 # --------------------------------------------------------------------- path queries
 
-def exists(path: str) -> bool:
-  if not is_remote(path):
-    return os.path.exists(path)
+def _object_type(path: str, op: str) -> str | None:
+  """'file' or 'directory' for the bucket path `path`, None when absent. Not fsspec's
+  exists/isdir/isfile: they answer False for any error, so an outage would read as
+  "missing"; here it is retried and then named (`call`)."""
   fs = filesystem(path)
   fs.invalidate_cache(_fs_path(path))
 
-  def stat() -> bool:
-    # Not fs.exists: fsspec answers False for any error, a refused connection included.
+  def stat() -> str | None:
     try:
-      fs.info(_fs_path(path))
-      return True
+      return fs.info(_fs_path(path)).get("type") or "file"
     except FileNotFoundError:
-      return False
+      return None
 
-  return bool(call(path, "stat", stat))
+  return call(path, op, stat)
+
+
+def exists(path: str) -> bool:
+  if not is_remote(path):
+    return os.path.exists(path)
+  return _object_type(path, "stat") is not None
 
 
 def isdir(path: str) -> bool:
   if not is_remote(path):
     return os.path.isdir(path)
-  fs = filesystem(path)
   _, _, key = split(path)
   if not key:
+    fs = filesystem(path)
     return bool(call(path, "stat", lambda: fs.exists(_fs_path(path))))
-  fs.invalidate_cache(_fs_path(path))
-
-  def stat() -> bool:
-    # Not fs.isdir: gcsfs answers False for any OSError, a refused connection included.
-    try:
-      return fs.info(_fs_path(path)).get("type") == "directory"
-    except FileNotFoundError:
-      return False
-
-  return bool(call(path, "list", stat))
+  return _object_type(path, "list") == "directory"
 
 
 def isfile(path: str) -> bool:
   if not is_remote(path):
     return os.path.isfile(path)
-  fs = filesystem(path)
-  fs.invalidate_cache(_fs_path(path))
-
-  def stat() -> bool:
-    # Not fs.isfile: it answers False for any error, so a network outage read as "missing".
-    try:
-      return fs.info(_fs_path(path)).get("type") == "file"
-    except FileNotFoundError:
-      return False
-
-  return bool(call(path, "stat", stat))
+  return _object_type(path, "stat") == "file"
 
 
 def listdir(path: str) -> list[str]:
