@@ -195,16 +195,35 @@ def filesystem(path: str):
     _check_credentials(s, path)
     timeout = _timeout()
     if s == "gs":
-      fs = module.GCSFileSystem(token="anon" if emulator(s) else None,
+      fs = _one_try_gcs(module)(token="anon" if emulator(s) else None,
                                 skip_instance_cache=True, requests_timeout=timeout)
     else:
       # botocore's own retries (5, each waiting out a 60 s read timeout) would stack under
       # ours (`call`): one try per request here, retried with backoff there.
       fs = module.S3FileSystem(skip_instance_cache=True, config_kwargs={
           "connect_timeout": min(10.0, timeout), "read_timeout": timeout,
-          "retries": {"max_attempts": 1, "mode": "standard"}})
+          # (botocore's max_attempts counts retries after the first: 1 gave 2 requests)
+          "retries": {"total_max_attempts": 1, "mode": "standard"}})
+      fs.retries = 1  # s3fs's own loop around botocore (5 tries), likewise
     _filesystems[key] = fs
     return fs
+
+
+_ONE_TRY_GCS: list = []
+
+
+def _one_try_gcs(module):
+  """gcsfs's filesystem class with one try per request. gcsfs tries each request 6 times,
+  up to 32 s apart, which would stack under `call`'s tries (a dead endpoint took minutes
+  to name, and "failed after 2 tries" meant 12): as botocore's retries are for S3 above,
+  they are turned off, so T5FORGE_STORAGE_RETRIES counts the tries in all."""
+  if not _ONE_TRY_GCS:
+    base = module.GCSFileSystem
+    undecorated = {name: getattr(base, name).__wrapped__
+                   for name in ("_request", "_get_file_request", "_get_file_concurrent")
+                   if hasattr(getattr(base, name, None), "__wrapped__")}
+    _ONE_TRY_GCS.append(type("OneTryGCSFileSystem", (base,), undecorated))
+  return _ONE_TRY_GCS[0]
 
 
 def reset_clients() -> None:
@@ -247,9 +266,10 @@ def _is_transient(e: BaseException) -> bool:
   if isinstance(e, (ConnectionError, TimeoutError)):
     return True
   text = _words(e)
-  return bool(re.search(r"\b(500|502|503)\b", text)) or any(
+  # GCS and S3 ask for a retry with backoff on 408, 429 and 5xx.
+  return bool(re.search(r"\b(408|429|500|502|503|504)\b", text)) or any(
       w in text for w in ("connect", "timed out", "timeout", "reset by peer",
-                          "service unavailable", "slowdown"))
+                          "service unavailable", "slowdown", "too many requests"))
 
 
 def _words(e: BaseException) -> str:

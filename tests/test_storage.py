@@ -56,3 +56,49 @@ def test_unknown_scheme():
   with pytest.raises(UserError, match=r"write gs://"):
     storage.is_remote("gcs://bucket/run")
   assert not storage.is_remote("/tmp/x") and not storage.is_remote("relative/dir")
+
+
+@pytest.mark.parametrize("scheme", ["gs", "s3"])
+def test_the_tries_setting_counts_every_request_the_client_sends(scheme, tmp_path,
+                                                                 monkeypatch):
+  """T5FORGE_STORAGE_RETRIES is the number of tries in all: an endpoint that answers every
+  request with 503 sees exactly that many requests, not that many times the client's own
+  retries (gcsfs's 6 tries per request stacked under ours: "failed after 3 tries" was 18)."""
+  import socket
+  import threading
+
+  from t5forge.testing import Emulator
+  listener = socket.create_server(("127.0.0.1", 0))
+  requests = []
+
+  def unavailable():
+    while True:
+      try:
+        conn, _ = listener.accept()
+      except OSError:  # closed: the test is over
+        return
+      with conn:
+        head = b""
+        while b"\r\n\r\n" not in head:
+          chunk = conn.recv(65536)
+          if not chunk:
+            break
+          head += chunk
+        requests.append(head.split(b"\r\n", 1)[0].decode())
+        conn.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
+                     b"Connection: close\r\n\r\n")
+
+  threading.Thread(target=unavailable, daemon=True).start()
+  endpoint = Emulator(scheme, str(tmp_path))
+  endpoint.port = listener.getsockname()[1]
+  for k, v in endpoint.env().items():
+    monkeypatch.setenv(k, v)
+  monkeypatch.setenv("T5FORGE_STORAGE_RETRIES", "3")
+  storage.reset_clients()
+  try:
+    with pytest.raises(storage.StorageError, match=rf"{scheme}://b/x: read failed after 3 tries"):
+      storage.read_bytes(f"{scheme}://b/x")
+  finally:
+    listener.close()
+    storage.reset_clients()
+  assert len(requests) == 3, requests
