@@ -230,8 +230,8 @@ def test_load_an_hf_directory_in_a_bucket_equals_the_local_copy(bucket_env, hf_d
 
 @pytest.mark.slow  # the clients' own retries run out first (gcsfs: ~35 s)
 def test_an_outage_during_a_save_commits_nothing_and_a_resume_reads_the_previous(
-    bucket_env, monkeypatch):
-  emu, bucket = bucket_env
+    private_bucket_env, monkeypatch):
+  emu, bucket = private_bucket_env
   monkeypatch.setenv("T5FORGE_STORAGE_RETRIES", "1")
   monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
   url = _run(bucket + "/run", steps=(2,))

@@ -245,8 +245,8 @@ def test_text_tsv_jsonl_patterns_across_objects(bucket_env, cache, tmp_path):
 
 
 @pytest.mark.slow  # gcsfs retries each request 6 times inside every one of our 2 tries
-def test_network_gone_mid_read_is_one_line_naming_the_object(bucket_env, cache, monkeypatch):
-  emu, bucket = bucket_env
+def test_network_gone_mid_read_is_one_line_naming_the_object(private_bucket_env, cache, monkeypatch):
+  emu, bucket = private_bucket_env
   monkeypatch.setenv("T5FORGE_STORAGE_RETRIES", "2")
   _upload(bucket, "tfds_tfrecord")
   source = seqio.TfdsDataSource(NAME, tfds_data_dir=storage.join(bucket, "tfds_tfrecord"))
