@@ -22,7 +22,7 @@ STAMP_TEST := $(VENV)/.t5forge-installed-test
 STAMP_BENCH := $(VENV)/.t5forge-installed-bench
 PINS := pyproject.toml requirements.lock
 
-.PHONY: test test-fast lint demo bench venv clean browser allocator
+.PHONY: test test-fast lint demo bench venv clean browser allocator coverage
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -63,13 +63,26 @@ allocator:
 	  echo "note: could not install jemalloc; where huge pages cannot work t5forge will use the system malloc"; \
 	else echo "note: no apt-get or root for jemalloc; where huge pages cannot work t5forge will use the system malloc"; fi
 
-# Two worker processes, each test file in one of them (module fixtures such as a server
-# are built once): much of the suite is single-threaded compiling and process start-up.
+# Two worker processes. `loadgroup`: the tests that share a module fixture (a server, a
+# trained run) run in one worker, so it is built once; every other test goes to whichever
+# worker is free (tests/conftest.py forms the groups). One JAX compilation cache serves
+# the workers and every process they start (tests/conftest.py); pytest-timeout fails a test
+# that runs past its limit by name; the 15 slowest tests are printed (pyproject.toml).
+PYTEST := $(PY) -m pytest -q -n 2 --dist loadgroup
 test: $(STAMP_TEST) browser allocator lint
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PYTEST) tests
 
 test-fast: $(STAMP_TEST) browser allocator lint
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
+	$(PYTEST) -m "not slow" tests
+
+# Line coverage of t5forge/ over the whole suite: the workers and every process they start
+# (coverage's subprocess patch), combined, then reported (coverage.xml and the total).
+COVERAGE := COVERAGE_RCFILE=$(CURDIR)/pyproject.toml COVERAGE_FILE=$(CURDIR)/.coverage-data/.coverage $(VENV)/bin/coverage
+coverage: $(STAMP_TEST) browser allocator
+	rm -rf .coverage-data && mkdir -p .coverage-data
+	-$(COVERAGE) run -m pytest -q -n 2 --dist loadgroup tests
+	$(COVERAGE) combine -q
+	$(COVERAGE) report --format=total
 
 # The linter's rules are in pyproject.toml; the import layers are tests/test_layers.py.
 lint: $(STAMP_TEST)

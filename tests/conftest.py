@@ -1,12 +1,33 @@
-"""Shared fixtures. Tests run on CPU with float32 matmuls at full precision."""
+"""Shared fixtures. Tests run on CPU with float32 matmuls at full precision.
+
+One persistent JAX compilation cache serves the whole run: the pytest workers, every
+`python -m t5forge` subprocess and every server the tests start compile the same tiny
+models again and again, and each compile after the first is a read from the cache. It lives
+in a directory made for this run (removed at the end) unless JAX_COMPILATION_CACHE_DIR is
+set already, which keeps a developer's own cache across runs. A size limit turns on JAX's
+file lock, so that two processes writing and reading one entry at once never see half a
+file. Compile counters count cache hits as compiles (t5forge.engine.compile_count), so
+"nothing compiles after ready" still means what it says.
+"""
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the controller, or a run without xdist
+  _JAX_CACHE = tempfile.mkdtemp(prefix="t5forge-tests-jax-cache-")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _JAX_CACHE  # inherited by workers, subprocesses
+  atexit.register(shutil.rmtree, _JAX_CACHE, True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 << 30))
+
 sys.path.insert(0, os.path.dirname(__file__))
 
-pytest_plugins = ("buckets",)  # the bucket_env fixture: GCS and S3 emulators
+pytest_plugins = ("buckets",)  # the bucket_env fixtures: GCS and S3 emulators
 
 SHARED = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "shared"))
 T5X_FIXTURE = os.path.join(SHARED, "testdata", "t5x", "test_t5_tiny.checkpoint_0")
@@ -41,3 +62,32 @@ def shared_cache(tmp_path_factory):
   with pytest.MonkeyPatch.context() as mp:
     mp.setenv("T5FORGE_CACHE", str(path))
     yield path
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+  """With `--dist loadgroup` (make test): the tests that share a module-scoped fixture of
+  their file (a server, a trained run) form one xdist group and run in one worker, so that
+  fixture is built once; every other test is scheduled on its own, to whichever worker is
+  free. (Grouping whole files instead left one worker finishing the heaviest file alone.)"""
+  if config.getoption("dist", "no") != "loadgroup":
+    return
+  parent: dict = {}
+
+  def find(x):
+    while parent.setdefault(x, x) != x:
+      x = parent[x]
+    return x
+
+  uses = {}
+  for item in items:
+    module = item.nodeid.split("::")[0]
+    names = [(module, name) for name, defs in getattr(item, "_fixtureinfo").name2fixturedefs.items()
+             if defs and defs[-1].scope in ("module", "class") and defs[-1].baseid == module]
+    uses[item] = names
+    for a, b in zip(names, names[1:]):
+      parent[find(a)] = find(b)
+  for item, names in uses.items():
+    if names:
+      module, name = find(names[0])
+      item.add_marker(pytest.mark.xdist_group(f"{module}::{name}"))

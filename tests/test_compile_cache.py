@@ -1,0 +1,72 @@
+"""The suite's persistent JAX compilation cache (tests/conftest.py) and the compile counter.
+
+The cache is what lets hundreds of processes compile the same tiny models once: here a
+second process running t5forge's own jitted functions (a training step, greedy decoding)
+reads every executable back instead of compiling it. And since the "nothing compiles after
+ready" assertions rest on `t5forge.engine.compile_count`, it must count a deliberate
+compile, a cache hit included: a counter that never counts would make them pass vacuously.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from t5forge.engine import compile_count
+from train_helpers import ROOT
+
+_SCRIPT = r"""
+import json, jax, numpy as np
+import t5forge
+from t5forge.engine import compile_count
+events = {"compiles": 0, "hits": 0}
+def on(event, _d, **_k):
+  if event == "/jax/core/compile/backend_compile_duration":
+    events["compiles"] += 1
+  elif event == "/jax/compilation_cache/compile_time_saved_sec":
+    events["hits"] += 1
+jax.monitoring.register_event_duration_secs_listener(on)
+counted = compile_count()
+m = t5forge.init("t5_1_1.tiny", vocab_size=64, seed=0)
+x = np.zeros((2, 8), np.int32); x[:, :3] = [5, 6, 1]
+m.predict(x, max_decode_length=4)
+m.logits(x, x)
+events["counted"] = compile_count() - counted
+print(json.dumps(events))
+"""
+
+
+def test_a_second_process_reads_t5forges_executables_from_the_cache(tmp_path):
+  env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache")}
+
+  def run():
+    r = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+  first, second = run(), run()
+  n = first["compiles"]
+  # (the first process reads back only what it compiled twice itself)
+  assert n > 3 and first["hits"] < n // 4 and first["counted"] == n, first
+  # Every executable read back, and each read counted as a compile.
+  assert second == {"compiles": n, "hits": n, "counted": n}, (first, second)
+
+
+def test_the_compile_counter_counts_a_deliberate_compile():
+  @jax.jit
+  def f(x):
+    return jnp.tanh(x) * 3.25 + 0.5
+
+  x = np.arange(7, dtype=np.float32)  # numpy inputs: no eager op compiles beside f's
+  before = compile_count()
+  f(x).block_until_ready()
+  assert compile_count() == before + 1
+  f(x + 1).block_until_ready()  # the same shapes: jit's own cache, nothing compiled
+  assert compile_count() == before + 1
+  f(np.arange(9, dtype=np.float32)).block_until_ready()  # a new shape compiles
+  assert compile_count() == before + 2
+  np.testing.assert_allclose(np.asarray(f(x)), np.tanh(x) * 3.25 + 0.5, rtol=1e-6)
