@@ -1,4 +1,6 @@
 """Tiny training runs through the CLI, for the end-to-end tests."""
+import contextlib
+import io
 import os
 import signal
 import subprocess
@@ -46,6 +48,63 @@ def train_cmd(gin_file, model_dir, *bindings):
 def run_train(gin_file, model_dir, *bindings, timeout=600):
   return subprocess.run(train_cmd(gin_file, model_dir, *bindings), capture_output=True,
                         text=True, cwd=ROOT, timeout=timeout)
+
+
+def cli(*argv, cwd=ROOT, env=None) -> subprocess.CompletedProcess:
+  """`python -m t5forge *argv` run in this process, as a subprocess would see it: the exit
+  status and what it printed (`.returncode`, `.stdout`, `.stderr`), with `env` (variables
+  set for the call only) and `cwd`. For the one-line errors and short commands, which would
+  otherwise pay a Python start, a JAX import and the same compiles in a new process each;
+  an exception the command does not turn into an exit status propagates (a subprocess would
+  print its traceback and exit 1).
+  """
+  from t5forge.cli import main as cli_main
+  out, err = io.StringIO(), io.StringIO()
+  code = 0
+  with contextlib.ExitStack() as stack:
+    stack.enter_context(_logging_restored())
+    stack.enter_context(_environ(env or {}))
+    stack.enter_context(contextlib.chdir(cwd))
+    stack.enter_context(contextlib.redirect_stdout(out))
+    stack.enter_context(contextlib.redirect_stderr(err))
+    try:
+      cli_main.main([str(a) for a in argv])
+    except SystemExit as e:
+      code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+  return subprocess.CompletedProcess(["t5forge", *map(str, argv)], code, out.getvalue(),
+                                     err.getvalue())
+
+
+def train_in_process(gin_file, model_dir, *bindings, env=None) -> subprocess.CompletedProcess:
+  """`run_train` in this process (see `cli`)."""
+  return cli(*train_cmd(gin_file, model_dir, *bindings)[3:], env=env)
+
+
+@contextlib.contextmanager
+def _logging_restored():
+  """The command line installs its console handler on the root logger: removed again, so
+  later tests in this process see the library's logging as a library user does."""
+  import logging
+  handlers, level = list(logging.root.handlers), logging.getLogger("t5forge").level
+  try:
+    yield
+  finally:
+    logging.root.handlers[:] = handlers
+    logging.getLogger("t5forge").setLevel(level)
+
+
+@contextlib.contextmanager
+def _environ(values):
+  old = {k: os.environ.get(k) for k in values}
+  os.environ.update({k: str(v) for k, v in values.items()})
+  try:
+    yield
+  finally:
+    for k, v in old.items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v
 
 
 def kill_when(cmd, cond, timeout=300, cwd=ROOT, env=None) -> bool:
