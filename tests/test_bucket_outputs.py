@@ -1,7 +1,13 @@
 """`eval`, `infer`, `convert` and `export` write to `gs://` / `s3://` (real emulators on
 127.0.0.1), `serve` runs an export read from a bucket, and each bad bucket input of the
 command line (no bucket, no or refused credentials, no client package, an unknown scheme)
-is one line naming what to fix."""
+is one line naming what to fix.
+
+Above `t5forge.storage` the two schemes take the same code, so the end-to-end commands run
+on GCS, and `infer` + `eval` of a bucket MODEL_DIR on both (S3 reads a checkpoint through a
+local copy, GCS in place); the storage layer itself is tested on both (test_storage.py,
+test_bucket_checkpoints.py). The commands run in this process (`train_helpers.cli`) unless
+the process is the point (a server; the environment at start-up)."""
 import hashlib
 import json
 import os
@@ -15,7 +21,7 @@ import pytest
 from t5forge import storage
 from t5forge import testing as sh
 from t5forge.testing import Emulator
-from train_helpers import ROOT, error_line
+from train_helpers import ROOT, cli, error_line
 
 pytestmark = pytest.mark.slow  # subprocess runs and compiles: make test, not test-fast
 
@@ -52,10 +58,14 @@ def ckpt(tmp_path_factory):
 
 
 def _cli(*args, env=None, timeout=600):
+  """A subprocess `t5forge *args` with the environment `env` (whole)."""
   env = dict(os.environ if env is None else env)
   env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), ROOT) if p)
   return subprocess.run([sys.executable, "-m", "t5forge", *args], capture_output=True,
                         text=True, cwd=ROOT, timeout=timeout, env=env)
+
+
+GS_ONLY = pytest.mark.parametrize("bucket_env", ["gs"], indirect=True)
 
 
 def _ok(r):
@@ -75,13 +85,14 @@ def _lines(url):
   return [json.loads(line) for line in storage.read_text(url).splitlines() if line.strip()]
 
 
+@GS_ONLY
 def test_infer_writes_merged_jsonl_to_the_bucket_and_refuses_other_work(bucket_env, ckpt):
   emu, bucket = bucket_env
   src = os.path.join(_data_dir(ckpt), "pairs.tsv")
   out = f"{bucket}/runs/infer/"  # a trailing slash is the same prefix
   base = ("infer", "--checkpoint", ckpt, "--input", src, "--output_dir", out,
           "--chunk_size", "1", "--batch_size", "1", "--max_decode_length", "4")
-  stdout = _ok(_cli(*base))
+  stdout = _ok(cli(*base))
   assert "3 of 3 chunks computed now" in stdout, stdout
   path = stdout.split("lines to ")[1].split()[0]
   assert path.startswith(f"{bucket}/runs/infer/pairs-"), path
@@ -94,10 +105,10 @@ def test_infer_writes_merged_jsonl_to_the_bucket_and_refuses_other_work(bucket_e
       f"translate English to Spanish: {en}" for en, _ in VERSES]
   assert all(isinstance(r["prediction"], str) for r in rows)
   # The same work again: the merged file is kept; other work is refused, naming the URL.
-  assert "0 of 3 chunks computed now" in _ok(_cli(*base))
-  msg = error_line(_cli(*base, "--mode", "score"))
+  assert "0 of 3 chunks computed now" in _ok(cli(*base))
+  msg = error_line(cli(*base, "--mode", "score"))
   assert f"{path} was made with --mode predict, now score" in msg and "--overwrite" in msg
-  _ok(_cli(*base, "--mode", "score", "--overwrite"))
+  _ok(cli(*base, "--mode", "score", "--overwrite"))
   assert all(r["score"] < 0 for r in _lines(path))
   assert storage.listdir(f"{bucket}/runs/infer") == [name, name + ".fingerprint.json"]
 
@@ -168,14 +179,15 @@ def test_infer_survives_the_bucket_going_away_and_resumes(tmp_path, ckpt):
       storage.reset_clients()
 
 
+@GS_ONLY
 def test_eval_writes_metrics_predictions_and_events_to_the_bucket(bucket_env, ckpt):
   emu, bucket = bucket_env
   out = f"{bucket}/runs/eval"
   args = ("eval", "--checkpoint", ckpt, "--task", "bucket_tiny_en_es", "--module",
           "bucket_tasks", "--batch_size", "3", "--feature_lengths", "inputs=32,targets=8",
           "--output_dir", out)
-  env = dict(os.environ, PYTHONPATH=_user_dir(ckpt))
-  stdout = _ok(_cli(*args, env=env))
+  env = {"PYTHONPATH": _user_dir(ckpt)}
+  stdout = _ok(cli(*args, env=env))
   assert "bucket_tiny_en_es/bleu" in stdout and "(3 examples)" in stdout, stdout
   metrics = _lines(f"{out}/bucket_tiny_en_es-metrics.jsonl")
   assert len(metrics) == 1 and "bleu" in metrics[0] and metrics[0]["num_examples"] == 3
@@ -188,8 +200,8 @@ def test_eval_writes_metrics_predictions_and_events_to_the_bucket(bucket_env, ck
       "bucket_tiny_en_es/num_examples"] == [3.0]
   # The record read back from the bucket covers this evaluation: skipped; --force
   # evaluates again and the metrics object gains a line.
-  assert "already evaluated" in _ok(_cli(*args, env=env))
-  _ok(_cli(*args, "--force", env=env))
+  assert "already evaluated" in _ok(cli(*args, env=env))
+  _ok(cli(*args, "--force", env=env))
   assert [m["step"] for m in _lines(f"{out}/bucket_tiny_en_es-metrics.jsonl")] == [step, step]
 
 
@@ -203,6 +215,7 @@ def _same_tree(local_dir: str, url: str) -> None:
       assert storage.read_bytes(f"{url}/{name}") == f.read(), name
 
 
+@GS_ONLY
 def test_convert_writes_hf_and_t5forge_directories_to_the_bucket(bucket_env, ckpt, tmp_path):
   import jax
 
@@ -210,10 +223,10 @@ def test_convert_writes_hf_and_t5forge_directories_to_the_bucket(bucket_env, ckp
   emu, bucket = bucket_env
   for to in ("hf", "t5forge"):
     url = f"{bucket}/converted/{to}"
-    assert f"wrote {to} checkpoint to {url}" in _ok(_cli("convert", "--input", ckpt,
+    assert f"wrote {to} checkpoint to {url}" in _ok(cli("convert", "--input", ckpt,
                                                          "--output", url, "--to", to))
     local = str(tmp_path / to)
-    _ok(_cli("convert", "--input", ckpt, "--output", local, "--to", to))
+    _ok(cli("convert", "--input", ckpt, "--output", local, "--to", to))
     if to == "hf":
       _same_tree(local, url)
     else:  # Orbax names its data files at random (params/**/d/<hash>)
@@ -226,15 +239,16 @@ def test_convert_writes_hf_and_t5forge_directories_to_the_bucket(bucket_env, ckp
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   # An output prefix that holds files is refused before anything is read or written.
-  msg = error_line(_cli("convert", "--input", ckpt, "--output", f"{bucket}/converted/hf",
+  msg = error_line(cli("convert", "--input", ckpt, "--output", f"{bucket}/converted/hf",
                         "--to", "hf"))
   assert f"{bucket}/converted/hf: exists and is not empty" in msg, msg
 
 
+@GS_ONLY
 def test_export_to_the_bucket_is_served_from_it(bucket_env, ckpt):
   emu, bucket = bucket_env
   url = f"{bucket}/exported/tiny"
-  _ok(_cli("export", "--checkpoint", ckpt, "--output", url, "--format", "jax",
+  _ok(cli("export", "--checkpoint", ckpt, "--output", url, "--format", "jax",
            "--batch_sizes", "1,2", "--input_lengths", "32", "--decode_lengths", "4"))
   manifest = json.loads(storage.read_text(f"{url}/manifest.json"))
   names = set(storage.walk_files(url))
@@ -271,7 +285,7 @@ def test_infer_and_eval_read_a_bucket_model_dir_and_write_beside_it(bucket_env, 
   for where, checkpoint, inputs in (("local", ckpt, src),
                                     ("bucket", run, f"{bucket}/data/pairs.tsv")):
     out = f"{bucket}/infer-{where}"
-    _ok(_cli("infer", "--checkpoint", checkpoint, "--input", inputs, "--output_dir", out,
+    _ok(cli("infer", "--checkpoint", checkpoint, "--input", inputs, "--output_dir", out,
              "--max_decode_length", "4"))
     rows = _lines(f"{out}/pairs-3.jsonl")
     preds[where] = [r["prediction_tokens"] for r in rows]
@@ -280,9 +294,8 @@ def test_infer_and_eval_read_a_bucket_model_dir_and_write_beside_it(bucket_env, 
                                              ".fingerprint.json"))
   # the URL, also for s3:// (read through a local copy)
   assert fingerprint["checkpoint"]["path"] == f"{run}/checkpoint_3", fingerprint
-  env = dict(os.environ, PYTHONPATH=_user_dir(ckpt))
-  stdout = _ok(_cli("eval", "--checkpoint", run, "--task", "bucket_tiny_en_es", "--module",
-                    "bucket_tasks", "--batch_size", "3", env=env))
+  stdout = _ok(cli("eval", "--checkpoint", run, "--task", "bucket_tiny_en_es", "--module",
+                   "bucket_tasks", "--batch_size", "3", env={"PYTHONPATH": _user_dir(ckpt)}))
   assert "step 3: bucket_tiny_en_es/bleu" in stdout, stdout
   names = storage.listdir(f"{run}/inference_eval")
   assert names == ["bucket_tiny_en_es", "bucket_tiny_en_es-3.jsonl",
@@ -291,6 +304,7 @@ def test_infer_and_eval_read_a_bucket_model_dir_and_write_beside_it(bucket_env, 
   assert record["coverage"]["checkpoint"]["path"] == f"{run}/checkpoint_3"
 
 
+@GS_ONLY
 def test_serve_and_export_read_a_bucket_checkpoint(bucket_env, ckpt, tmp_path):
   """`serve --checkpoint` a bucket MODEL_DIR answers as `infer` of it predicts; `export
   --checkpoint` reads one from the bucket."""
@@ -299,7 +313,7 @@ def test_serve_and_export_read_a_bucket_checkpoint(bucket_env, ckpt, tmp_path):
   storage.copy_tree(os.path.dirname(ckpt), run)
   prompts = ["translate English to Spanish: God is love.", "Jesus wept."]
   (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
-  _ok(_cli("infer", "--checkpoint", run, "--input", str(tmp_path / "prompts.txt"),
+  _ok(cli("infer", "--checkpoint", run, "--input", str(tmp_path / "prompts.txt"),
            "--output_dir", str(tmp_path / "out"), "--max_decode_length", "4"))
   want = [json.loads(line)["prediction"] for line in open(tmp_path / "out" / "prompts-3.jsonl")]
   srv = sh.Server(run, "--max_batch_size", "2", "--batch_buckets", "1,2", "--length_buckets",
@@ -312,13 +326,14 @@ def test_serve_and_export_read_a_bucket_checkpoint(bucket_env, ckpt, tmp_path):
   finally:
     assert srv.stop() == 0, srv.output()[-3000:]
   out = str(tmp_path / "exported")
-  _ok(_cli("export", "--checkpoint", run, "--output", out, "--format", "jax",
+  _ok(cli("export", "--checkpoint", run, "--output", out, "--format", "jax",
            "--batch_sizes", "2", "--input_lengths", "32", "--decode_lengths", "4"))
   manifest = json.load(open(os.path.join(out, "manifest.json")))
   assert manifest["source"]["step"] == 3, manifest["source"]
   assert manifest["source"]["path"] == f"{run}/checkpoint_3", manifest["source"]
 
 
+@GS_ONLY
 def test_adapter_converted_into_the_bucket_is_served_from_it(bucket_env, ckpt, tmp_path):
   """`convert --adapter ... --to peft --output <bucket>` uploads peft's directory (its
   adapter_config.json last); `serve --adapter name=<bucket URL>` reads it from there."""
@@ -339,7 +354,7 @@ def test_adapter_converted_into_the_bucket_is_served_from_it(bucket_env, ckpt, t
   adapters.save(ours, adapter, model_config=config.to_dict(), record={
       "base": ckpt, "fingerprint": adapters.fingerprint(base.params), "base_dtype": "float32"})
   url = f"{bucket}/adapters/qv"
-  stdout = _ok(_cli("convert", "--adapter", ours, "--base", ckpt, "--to", "peft",
+  stdout = _ok(cli("convert", "--adapter", ours, "--base", ckpt, "--to", "peft",
                     "--output", url))
   assert url in stdout and "t5forge-upload-" not in stdout, stdout
   assert sorted(storage.walk_files(url)) == ["adapter_config.json", "adapter_model.safetensors"]
@@ -387,7 +402,7 @@ def test_missing_bucket_is_one_line_for_every_command(bucket_env, ckpt, tmp_path
                ("eval", "--checkpoint", ckpt, "--task", "bucket_tiny_en_es", "--output_dir",
                 f"{missing}/x"),
                ("serve", "--checkpoint", f"{missing}/x", "--port", "0")):
-    msg = error_line(_cli(*args, timeout=300))
+    msg = error_line(cli(*args))
     assert want in msg, (args[0], msg)
 
 
@@ -442,7 +457,7 @@ def test_unknown_scheme_is_named(ckpt, tmp_path):
                 str(tmp_path / "o")),
                ("eval", "--checkpoint", "hdfs://x/y", "--task", "bucket_tiny_en_es"),
                ("serve", "--checkpoint", "hdfs://x/y", "--port", "0")):
-    msg = error_line(_cli(*args, timeout=300))
+    msg = error_line(cli(*args))
     assert "unknown storage scheme 'hdfs://'" in msg and "hdfs://x/y" in msg, (args[0], msg)
   assert not os.path.exists(os.path.join(ROOT, "hdfs:"))  # no local folder made of it
 

@@ -53,10 +53,12 @@ def run_train(gin_file, model_dir, *bindings, timeout=600):
 def cli(*argv, cwd=ROOT, env=None) -> subprocess.CompletedProcess:
   """`python -m t5forge *argv` run in this process, as a subprocess would see it: the exit
   status and what it printed (`.returncode`, `.stdout`, `.stderr`), with `env` (variables
-  set for the call only) and `cwd`. For the one-line errors and short commands, which would
-  otherwise pay a Python start, a JAX import and the same compiles in a new process each;
-  an exception the command does not turn into an exit status propagates (a subprocess would
-  print its traceback and exit 1).
+  set for the call only; a PYTHONPATH in it is put in front of sys.path, as it would be at
+  start-up) and `cwd`. For the one-line errors and short commands, which would otherwise
+  pay a Python start, a JAX import and the same compiles in a new process each; an
+  exception the command does not turn into an exit status propagates (a subprocess would
+  print its traceback and exit 1). A subprocess stays the point where the process itself
+  is: signals, exit codes after a kill, several processes, the environment at start-up.
   """
   from t5forge.cli import main as cli_main
   out, err = io.StringIO(), io.StringIO()
@@ -64,6 +66,7 @@ def cli(*argv, cwd=ROOT, env=None) -> subprocess.CompletedProcess:
   with contextlib.ExitStack() as stack:
     stack.enter_context(_logging_restored())
     stack.enter_context(_environ(env or {}))
+    stack.enter_context(_sys_path((env or {}).get("PYTHONPATH")))
     stack.enter_context(contextlib.chdir(cwd))
     stack.enter_context(contextlib.redirect_stdout(out))
     stack.enter_context(contextlib.redirect_stderr(err))
@@ -91,6 +94,17 @@ def _logging_restored():
   finally:
     logging.root.handlers[:] = handlers
     logging.getLogger("t5forge").setLevel(level)
+
+
+@contextlib.contextmanager
+def _sys_path(pythonpath):
+  saved = list(sys.path)
+  if pythonpath:
+    sys.path[:0] = [p for p in str(pythonpath).split(os.pathsep) if p]
+  try:
+    yield
+  finally:
+    sys.path[:] = saved
 
 
 @contextlib.contextmanager
