@@ -84,6 +84,33 @@ def test_save_and_restore_on_a_bucket_bitwise(bucket_env):
   assert data["states"] == [{"pos": 4}]
 
 
+@pytest.mark.parametrize("bucket_env", ["gs"], indirect=True)
+def test_a_save_stopped_between_our_manifest_and_orbaxs_marker_is_resumed(bucket_env):
+  """On gs:// Orbax writes its commit marker after our manifest. A run killed between the
+  two left a whole checkpoint that the next run's Orbax took for an unfinished save and
+  deleted, and training started over without a word. It is committed (the manifest, last
+  of ours, says every object is there), Orbax's marker is written for it, with a note."""
+  from orbax.checkpoint.path import atomicity_types
+  _, bucket = bucket_env
+  url = _run(bucket + "/run")
+  marker = storage.join(native.step_dir(url, 4), atomicity_types.COMMIT_SUCCESS_FILE)
+  storage.remove(marker)  # the state a SIGKILL between the two writes leaves
+  assert native.checkpoint_steps(url) == [2, 4]
+  notes = []
+  ck = Checkpointer(url, SaveCheckpointConfig(), log=notes.append)
+  assert ck.latest_step() == 4 and storage.exists(marker)
+  assert notes == [f"note: {url}/checkpoint_4 was whole but its save was stopped before "
+                   "Orbax marked it committed; marked it"], notes
+  step, (params, _, _) = ck.restore_latest(_abstract(_state(0)))
+  _save(ck, 6)
+  ck.close()
+  assert step == 4 and _equal(params, _state(4).params)
+  assert native.checkpoint_steps(url) == [2, 4, 6]
+  # A step whose manifest was never written is no checkpoint, marker or not.
+  storage.remove(storage.join(native.step_dir(url, 6), manifest.MANIFEST))
+  assert native.checkpoint_steps(url) == [2, 4]
+
+
 def test_keep_deletes_old_checkpoints_in_the_bucket(bucket_env):
   _, bucket = bucket_env
   url = _run(bucket + "/run", steps=(1, 2, 3, 4), keep=2)

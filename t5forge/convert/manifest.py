@@ -101,22 +101,27 @@ def _files(directory: str) -> list[str]:
   return out
 
 
-def committed_on_bucket(directory: str, names: set[str]) -> bool:
-  """Whether the checkpoint under the bucket prefix `directory`, whose top-level object
-  names are `names`, is committed. Orbax writing in place on `gs://` adds its commit marker
-  (`commit_success.txt`) after our manifest, and a run killed between the two leaves a step
-  Orbax deems unfinished (and deletes when it next starts): that needs both. A checkpoint
-  uploaded from a local copy (staged on `s3://`, or copied up by hand) has no Orbax marker;
-  its manifest, written last, commits it."""
-  if MANIFEST not in names:
-    return False
-  if _orbax_paths().COMMIT_SUCCESS_FILE in names:
-    return True
-  try:
-    recorded = json.loads(storage.read_bytes(storage.join(directory, MANIFEST)))
-  except (OSError, ValueError):
-    return True  # unreadable: listed, and `verify` names the damage
-  return not (isinstance(recorded, dict) and recorded.get("hash") == OBJECT)
+def committed_on_bucket(names: set[str]) -> bool:
+  """Whether a checkpoint under a bucket prefix whose top-level object names are `names`
+  is committed: our manifest, its last object, commits it. On `gs://` Orbax writes its own
+  commit marker (`commit_success.txt`) after the manifest; a run stopped between the two
+  leaves a whole checkpoint (every array written, Orbax's finalize done) that Orbax, when
+  it next starts, would take for unfinished and delete, so the trainer finishes that
+  commit first (`needs_orbax_commit`, `finish_orbax_commit`)."""
+  return MANIFEST in names
+
+
+def needs_orbax_commit(names: set[str]) -> bool:
+  """A committed checkpoint on `gs://` (object names `names`) without Orbax's marker: a
+  run stopped after our manifest, or a local checkpoint copied up by hand."""
+  return committed_on_bucket(names) and _orbax_paths().COMMIT_SUCCESS_FILE not in names
+
+
+def finish_orbax_commit(directory: str) -> None:
+  """Writes Orbax's commit marker into the committed bucket checkpoint `directory`, as
+  Orbax itself would have."""
+  storage.write_bytes(storage.join(directory, _orbax_paths().COMMIT_SUCCESS_FILE),
+                      f"Checkpoint commit was successful to {directory}".encode("utf-8"))
 
 
 def write_objects(directory: str, extra_files: dict[str, str] | None = None) -> None:

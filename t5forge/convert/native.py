@@ -85,14 +85,8 @@ def checkpoint_steps(model_dir: str) -> list[int]:
   """Steps of the committed checkpoints in MODEL_DIR, ascending (intact or not; a damaged
   one set aside by training is renamed `checkpoint_<step>.damaged-<time>` and not listed)."""
   if storage.is_remote(model_dir):
-    # One listing of every step's top-level objects; `manifest.committed_on_bucket` decides.
-    names: dict[int, set[str]] = {}
-    for found in storage.glob(storage.join(model_dir, f"{CHECKPOINT_PREFIX}*", "*")):
-      step = step_of(storage.dirname(found))
-      if step is not None:
-        names.setdefault(step, set()).add(storage.basename(found))
-    return sorted(step for step, have in names.items()
-                  if manifest.committed_on_bucket(step_dir(model_dir, step), have))
+    return sorted(step for step, have in bucket_steps(model_dir).items()
+                  if manifest.committed_on_bucket(have))
   if not os.path.isdir(model_dir):
     return []
   steps = []
@@ -101,6 +95,17 @@ def checkpoint_steps(model_dir: str) -> list[int]:
     if m and is_complete(os.path.join(model_dir, name)):
       steps.append(int(m.group(1)))
   return sorted(steps)
+
+
+def bucket_steps(model_dir: str) -> dict[int, set[str]]:
+  """{step: names of its top-level objects} of every `checkpoint_<step>` prefix under the
+  bucket MODEL_DIR, committed or not, from one listing."""
+  names: dict[int, set[str]] = {}
+  for found in storage.glob(storage.join(model_dir, f"{CHECKPOINT_PREFIX}*", "*")):
+    step = step_of(storage.dirname(found))
+    if step is not None:
+      names.setdefault(step, set()).add(storage.basename(found))
+  return names
 
 
 def latest_checkpoint(model_dir: str) -> str | None:

@@ -121,7 +121,8 @@ def remap_params(ckpt_params: Any, fresh_params: Any, config: RestoreCheckpointC
 class Checkpointer:
   """Saves and restores train states in MODEL_DIR with an Orbax CheckpointManager."""
 
-  def __init__(self, model_dir: str, config: SaveCheckpointConfig):
+  def __init__(self, model_dir: str, config: SaveCheckpointConfig, *,
+               log: Callable[[str], None] = print):
     self.scheme = storage.scheme(model_dir)  # '' (local disk), 'gs' or 's3'
     self.model_dir = storage.normalize(model_dir) if self.scheme else model_dir
     self.config = config
@@ -131,6 +132,9 @@ class Checkpointer:
       storage.check_bucket(self.model_dir)  # a missing bucket: one line, before Orbax
     if self.scheme == "gs":
       storage.configure_tensorstore()
+      if multihost.is_chief():
+        self._finish_orbax_commits(log)
+      multihost.sync("t5forge-checkpointer-orbax-commits")  # before any process's Orbax lists
     elif self.scheme == "s3":
       digest = hashlib.sha256(self.model_dir.encode()).hexdigest()[:16]
       self._staging = orbax_dir = os.path.join(storage.cache_root(), "staging", digest)
@@ -157,6 +161,16 @@ class Checkpointer:
         async_options=ocp.AsyncOptions(post_finalization_callback=self._write_manifest))
     self._mngr = ocp.CheckpointManager(orbax_dir, options=options,
                                        item_handlers=self._item_handlers())
+
+  def _finish_orbax_commits(self, log: Callable[[str], None]) -> None:
+    """gs://: the steps committed by their manifest but not by Orbax's marker (a run stopped
+    between the two writes) get the marker before Orbax starts here: it would take them for
+    unfinished saves and delete them, and the run would start over without a word."""
+    for step, names in sorted(native.bucket_steps(self.model_dir).items()):
+      if manifest.needs_orbax_commit(names):
+        manifest.finish_orbax_commit(self.step_dir(step))
+        log(f"note: {self.step_dir(step)} was whole but its save was stopped before Orbax "
+            "marked it committed; marked it")
 
   @staticmethod
   def _item_handlers() -> dict:

@@ -343,7 +343,8 @@ class _Run:
         opt_state=part.tree_shardings(self.opt_axes, prefix="opt_state",
                                       shapes=self.abstract_opt))
     self.checkpointer = ckpt_lib.Checkpointer(self.model_dir,
-                                              checkpoint_cfg.save or SaveCheckpointConfig())
+                                              checkpoint_cfg.save or SaveCheckpointConfig(),
+                                              log=self.log)
     restore = checkpoint_cfg.restore
     if self.adapter and self.checkpointer.latest_step() is not None:
       self.check_adapter_base()
