@@ -21,8 +21,8 @@ from t5forge.convert import manifest, native
 from t5forge.errors import UserError
 from t5forge.train import loop, run_lock
 from t5forge.train import metrics as metrics_lib
-from train_helpers import (ROOT, error_line, final_params, fingerprints, run_train, train_cmd,
-                           wait_all, write_gin)
+from train_helpers import (ROOT, cli, error_line, final_params, fingerprints, run_train,
+                           train_cmd, wait_all, write_gin)
 
 
 def _lines(url):
@@ -188,6 +188,7 @@ def test_sigkill_mid_run_resumes_bitwise_on_a_bucket(bucket_env, uninterrupted, 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("bucket_env", ["gs"], indirect=True)  # the lock's storage: test_bucket_lock
 def test_two_runs_on_one_bucket_model_dir_and_a_killed_runs_lock(bucket_env, tmp_path,
                                                                 monkeypatch):
   emu, bucket = bucket_env
@@ -259,7 +260,7 @@ def test_train_into_a_missing_bucket_is_one_line(bucket_env, tmp_path):
   emu, bucket = bucket_env
   gin = write_gin(tmp_path / "run.gin", steps=2, period=2)
   url = f"{emu.scheme}://no-such-bucket-here/runs/a"
-  msg = error_line(_train(tmp_path, gin, url))
+  msg = error_line(cli(*train_cmd(gin, url)[3:], cwd=tmp_path))
   assert msg == (f"t5forge: error: {emu.scheme}://no-such-bucket-here: the bucket does not "
                  f"exist; create it or fix the name in {url}")
   assert os.listdir(tmp_path) == ["run.gin"]  # nothing written locally either
