@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -207,3 +208,26 @@ def test_convert_to_t5forge_writes_a_manifest_that_verifies(trained, tmp_path):
   _flip(_largest(os.path.join(out, "params")))
   with pytest.raises(UserError, match="sha256 mismatch"):
     t5forge.load(out)
+
+
+def test_a_checkpointer_closed_before_its_first_save_leaves_no_orbax_thread(tmp_path,
+                                                                            monkeypatch):
+  """Orbax cleans MODEL_DIR up in a thread from the moment its manager is made; a run that
+  stops with an error before its first save (an adapter on another base) exited under that
+  thread, which then printed `RuntimeError: cannot schedule new futures after shutdown`
+  after the one-line error. close() waits for it: here the thread's file check is slowed
+  down, and close() returns only after it ended."""
+  from t5forge.train.checkpoint import Checkpointer
+  from t5forge.train.settings import SaveCheckpointConfig
+  (tmp_path / "model" / "checkpoint_3").mkdir(parents=True)  # something to check
+  islink, done = os.path.islink, []
+
+  def slow_islink(path):
+    time.sleep(0.5)
+    result = islink(path)
+    done.append(path)
+    return result
+
+  monkeypatch.setattr(os.path, "islink", slow_islink)
+  Checkpointer(str(tmp_path / "model"), SaveCheckpointConfig()).close()
+  assert done, "close() returned while Orbax's clean-up thread was still running"

@@ -386,6 +386,11 @@ class Checkpointer:
     try:
       self._finish()
     finally:
+      # Orbax starts cleaning up unfinished saves in a thread when the manager is made, and
+      # waits for it only at the first save, not in close(): a run that stopped before one
+      # (a configuration error) exited under that thread, whose next executor call then
+      # printed "RuntimeError: cannot schedule new futures after shutdown" after the error.
+      self._mngr._maybe_await_cleanup_tmp_directory()  # noqa: SLF001 (Orbax has no public wait)
       self._mngr.close()
       if self._staging:
         shutil.rmtree(self._staging, ignore_errors=True)
