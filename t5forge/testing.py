@@ -231,13 +231,15 @@ def request(url: str, path: str, body=None, *, headers=None, method=None, raw: b
     return status, h, payload.decode()
 
 
-def wait_for(predicate, timeout: float = 30, what: str = "condition") -> None:
-  """Polls `predicate` every 50 ms until it is true; TimeoutError after `timeout` s."""
-  deadline = time.time() + timeout
+def wait_for(predicate, timeout: float = 30, what: str = "condition",
+             interval: float = 0.05) -> None:
+  """Polls `predicate` every `interval` s until it is true; TimeoutError after `timeout`
+  s."""
+  deadline = time.monotonic() + timeout
   while not predicate():
-    if time.time() >= deadline:
-      raise TimeoutError(f"timed out waiting for {what}")
-    time.sleep(0.05)
+    if time.monotonic() >= deadline:
+      raise TimeoutError(f"timed out waiting for {what} ({timeout:g} s)")
+    time.sleep(interval)
 
 
 # ------------------------------------------------------------ storage emulators
