@@ -15,14 +15,13 @@ import pytest
 
 from t5forge.cli import gin_flags
 from t5forge.errors import UserError
-from train_helpers import ROOT, error_line, run_train, write_gin
+from train_helpers import ROOT, cli, error_line, train_in_process, write_gin
 
 EXAMPLE = "t5forge/configs/examples/bible_translate_from_scratch.gin"
 
 
-def _cli(*args, cwd=ROOT, env=None, timeout=300):
-  return subprocess.run([sys.executable, "-m", "t5forge", *args], capture_output=True,
-                        text=True, cwd=cwd, env=env, timeout=timeout)
+def _cli(*args, cwd=ROOT):
+  return cli(*args, cwd=cwd)
 
 
 def test_command_line_macro_that_no_gin_uses_is_refused_with_the_closest_name():
@@ -70,7 +69,8 @@ def test_unimportable_module_names_the_flag_and_pythonpath(tmp_path):
   assert "'seqio'" in msg and "t5forge.data" in msg
   # T5X style: MIXTURE_OR_TASK_MODULE in a training gin.
   gin = write_gin(tmp_path / "run.gin", steps=1)
-  msg = error_line(run_train(gin, tmp_path / "m", 'MIXTURE_OR_TASK_MODULE="no_such_tasks_mod"'))
+  msg = error_line(train_in_process(gin, tmp_path / "m",
+                                   'MIXTURE_OR_TASK_MODULE="no_such_tasks_mod"'))
   assert "no_such_tasks_mod" in msg and "PYTHONPATH" in msg
 
 

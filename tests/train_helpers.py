@@ -53,8 +53,8 @@ def run_train(gin_file, model_dir, *bindings, timeout=600):
 def cli(*argv, cwd=ROOT, env=None) -> subprocess.CompletedProcess:
   """`python -m t5forge *argv` run in this process, as a subprocess would see it: the exit
   status and what it printed (`.returncode`, `.stdout`, `.stderr`), with `env` (variables
-  set for the call only; a PYTHONPATH in it is put in front of sys.path, as it would be at
-  start-up) and `cwd`. For the one-line errors and short commands, which would otherwise
+  set for the call only) and `cwd`; sys.path starts with `cwd` and env's PYTHONPATH, as
+  `python -m` would. For the one-line errors and short commands, which would otherwise
   pay a Python start, a JAX import and the same compiles in a new process each; an
   exception the command does not turn into an exit status propagates (a subprocess would
   print its traceback and exit 1). A subprocess stays the point where the process itself
@@ -66,7 +66,7 @@ def cli(*argv, cwd=ROOT, env=None) -> subprocess.CompletedProcess:
   with contextlib.ExitStack() as stack:
     stack.enter_context(_logging_restored())
     stack.enter_context(_environ(env or {}))
-    stack.enter_context(_sys_path((env or {}).get("PYTHONPATH")))
+    stack.enter_context(_sys_path(cwd, (env or {}).get("PYTHONPATH")))
     stack.enter_context(contextlib.chdir(cwd))
     stack.enter_context(contextlib.redirect_stdout(out))
     stack.enter_context(contextlib.redirect_stderr(err))
@@ -97,10 +97,11 @@ def _logging_restored():
 
 
 @contextlib.contextmanager
-def _sys_path(pythonpath):
+def _sys_path(cwd, pythonpath):
+  """sys.path as `python -m` starts it: the working directory, then PYTHONPATH."""
   saved = list(sys.path)
-  if pythonpath:
-    sys.path[:0] = [p for p in str(pythonpath).split(os.pathsep) if p]
+  sys.path[:0] = [os.path.abspath(cwd)] + [p for p in str(pythonpath or "").split(os.pathsep)
+                                           if p]
   try:
     yield
   finally:
