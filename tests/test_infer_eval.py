@@ -8,14 +8,13 @@ import time
 
 import pytest
 
-from train_helpers import ROOT, error_line, run_train, write_gin
+from train_helpers import ROOT, cli, error_line, train_in_process, write_gin
 
 pytestmark = pytest.mark.slow  # subprocess runs or heavy compiles: make test, not test-fast
 
 
-def _cli(*args, timeout=600):
-  return subprocess.run([sys.executable, "-m", "t5forge", *args], capture_output=True,
-                        text=True, cwd=ROOT, timeout=timeout)
+def _cli(*args):
+  return cli(*args)  # in this process; the killed run below is a subprocess
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +22,7 @@ def model_dir(tmp_path_factory):
   """A tiny model trained 4 steps, with checkpoints at steps 2 and 4."""
   d = tmp_path_factory.mktemp("infer")
   gin = write_gin(d / "run.gin", steps=4, period=2)
-  r = run_train(gin, d / "model")
+  r = train_in_process(gin, d / "model")
   assert r.returncode == 0, r.stderr[-3000:]
   return d / "model"
 
