@@ -17,6 +17,7 @@ from conftest import T5X_FIXTURE
 from hf_reference import hf_forward, load_hf_model, random_batch
 from t5forge.convert import load_checkpoint, t5x
 from t5forge.errors import UserError
+from train_helpers import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -148,21 +149,22 @@ def test_native_roundtrip_and_model_dir(hf_dirs, tmp_path):
 
 
 def _cli(*args, env=None):
+  """In a subprocess: huggingface_hub reads HF_HUB_OFFLINE when it is imported."""
   return subprocess.run([sys.executable, "-m", "t5forge", *args], capture_output=True,
                         text=True, cwd=ROOT, env={**os.environ, **(env or {})}, timeout=300)
 
 
 @pytest.mark.slow
 def test_convert_cli_t5x_to_t5forge_to_hf(tmp_path):
-  r = _cli("convert", "--input", T5X_FIXTURE, "--output", str(tmp_path / "ours"), "--to", "t5forge")
+  r = cli("convert", "--input", T5X_FIXTURE, "--output", str(tmp_path / "ours"), "--to", "t5forge")
   assert r.returncode == 0, r.stderr
   assert "optimizer state (208 arrays)" in r.stdout
-  r = _cli("convert", "--input", str(tmp_path / "ours"), "--output", str(tmp_path / "hf"), "--to", "hf")
+  r = cli("convert", "--input", str(tmp_path / "ours"), "--output", str(tmp_path / "hf"), "--to", "hf")
   assert r.returncode == 0, r.stderr
   model = load_hf_model(str(tmp_path / "hf"))
   assert model.config.d_model == 8
   # Output directories are never half-written or overwritten.
-  r = _cli("convert", "--input", T5X_FIXTURE, "--output", str(tmp_path / "hf"), "--to", "hf")
+  r = cli("convert", "--input", T5X_FIXTURE, "--output", str(tmp_path / "hf"), "--to", "hf")
   assert r.returncode == 2 and "not empty" in r.stderr
 
 
@@ -177,12 +179,12 @@ def _one_line_error(r):
 def test_bad_inputs_give_one_line(hf_dirs, tmp_path):
   empty = tmp_path / "empty"; empty.mkdir()
   (empty / "notes.txt").write_text("x")
-  msg = _one_line_error(_cli("convert", "--input", str(empty), "--output", str(tmp_path / "o"),
+  msg = _one_line_error(cli("convert", "--input", str(empty), "--output", str(tmp_path / "o"),
                              "--to", "hf"))
   assert "notes.txt" in msg and "config.json" in msg
   only_config = tmp_path / "only_config"; only_config.mkdir()
   shutil.copy(os.path.join(hf_dirs("flan"), "config.json"), only_config)
-  msg = _one_line_error(_cli("convert", "--input", str(only_config), "--output",
+  msg = _one_line_error(cli("convert", "--input", str(only_config), "--output",
                              str(tmp_path / "o"), "--to", "hf"))
   assert "no weights" in msg and "model.safetensors" in msg
   # A weight of the wrong shape: name the weight, both shapes.
@@ -191,7 +193,7 @@ def test_bad_inputs_give_one_line(hf_dirs, tmp_path):
   state = load_file(str(bad / "model.safetensors"))
   state["encoder.block.1.layer.0.SelfAttention.q.weight"] = np.zeros((16, 32), np.float32)
   save_file(state, str(bad / "model.safetensors"))
-  msg = _one_line_error(_cli("convert", "--input", str(bad), "--output", str(tmp_path / "o"),
+  msg = _one_line_error(cli("convert", "--input", str(bad), "--output", str(tmp_path / "o"),
                              "--to", "hf"))
   assert "encoder.block.1.layer.0.SelfAttention.q.weight" in msg and "(16, 32)" in msg
   assert "(32, 32)" in msg
@@ -200,7 +202,7 @@ def test_bad_inputs_give_one_line(hf_dirs, tmp_path):
   cfg = json.loads((arch / "config.json").read_text())
   cfg.update(model_type="bart", architectures=["BartForConditionalGeneration"])
   (arch / "config.json").write_text(json.dumps(cfg))
-  msg = _one_line_error(_cli("convert", "--input", str(arch), "--output", str(tmp_path / "o"),
+  msg = _one_line_error(cli("convert", "--input", str(arch), "--output", str(tmp_path / "o"),
                              "--to", "hf"))
   assert "BartForConditionalGeneration" in msg and "T5ForConditionalGeneration" in msg
   assert not (tmp_path / "o").exists()

@@ -17,8 +17,6 @@ produces mid-row is 107: the same network with two ids relabelled.
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -30,7 +28,7 @@ from hf_t5gemma_reference import (BOS, EOS, PAD, _english_lines, build_hf_dir, l
                                   write_tokenizer_config)
 from t5forge import decoding
 from t5forge.errors import UserError
-from train_helpers import ROOT, error_line
+from train_helpers import cli, error_line
 
 pytestmark = pytest.mark.slow  # subprocess runs or heavy compiles: make test, not test-fast
 
@@ -70,9 +68,8 @@ def _one_line(err) -> str:
   return msg
 
 
-def _cli(*args, timeout=600):
-  return subprocess.run([sys.executable, "-m", "t5forge", *args], capture_output=True,
-                        text=True, cwd=ROOT, timeout=timeout)
+def _cli(*args):
+  return cli(*args)  # in this process (train_helpers.cli)
 
 
 # ---------------------------------------------------------------------------------------
