@@ -6,8 +6,6 @@ import glob
 import json
 import os
 import shutil
-import subprocess
-import sys
 import time
 
 import pytest
@@ -15,7 +13,7 @@ import pytest
 import t5forge
 from t5forge.convert import manifest, native
 from t5forge.errors import UserError
-from train_helpers import ROOT, run_train, write_gin
+from train_helpers import cli, train_in_process, write_gin
 
 pytestmark = pytest.mark.slow  # subprocess runs or heavy compiles: make test, not test-fast
 
@@ -25,7 +23,7 @@ def trained(tmp_path_factory):
   """One 8-step run with checkpoints at 4 and 8; tests damage copies of it."""
   d = tmp_path_factory.mktemp("trained")
   gin = write_gin(d / "run.gin", steps=8, period=4)
-  r = run_train(gin, d / "model")
+  r = train_in_process(gin, d / "model")
   assert r.returncode == 0, r.stderr[-3000:]
   return gin, str(d / "model")
 
@@ -96,7 +94,7 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint(trained, tmp_path, ki
   words = _damage(kind, ckpt8)
   before = sorted(os.path.relpath(os.path.join(r, f), ckpt8)
                   for r, _, names in os.walk(ckpt8) for f in names)
-  r = run_train(gin, model_dir, "TRAIN_STEPS=12")
+  r = train_in_process(gin, model_dir, "TRAIN_STEPS=12")
   out = r.stdout + r.stderr
   assert r.returncode == 0, out[-3000:]
   assert "Traceback" not in out
@@ -120,7 +118,7 @@ def test_no_intact_checkpoint_refuses_in_one_line_and_moves_nothing(trained, tmp
   model_dir = _copy(trained, tmp_path)
   for step in (4, 8):
     _damage("flipped", os.path.join(model_dir, f"checkpoint_{step}"))
-  r = run_train(gin, model_dir, "TRAIN_STEPS=12")
+  r = train_in_process(gin, model_dir, "TRAIN_STEPS=12")
   assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
   assert "Traceback" not in r.stderr
   errors = [x for x in r.stderr.splitlines() if x.startswith("t5forge: error:")]
@@ -140,9 +138,7 @@ def test_eval_and_infer_of_a_damaged_checkpoint_say_so_in_one_line(trained, tmp_
   else:
     (tmp_path / "in.txt").write_text("In the beginning\n")
     args = ["--input", str(tmp_path / "in.txt")]
-  r = subprocess.run([sys.executable, "-m", "t5forge", command, "--checkpoint", ckpt8, *args,
-                      "--output_dir", str(tmp_path / "out")],
-                     capture_output=True, text=True, cwd=ROOT, timeout=300)
+  r = cli(command, "--checkpoint", ckpt8, *args, "--output_dir", str(tmp_path / "out"))
   assert r.returncode == 2, r.stderr[-3000:]
   assert "Traceback" not in r.stderr
   errors = [x for x in r.stderr.splitlines() if x.startswith("t5forge: error:")]
@@ -153,10 +149,8 @@ def test_eval_and_infer_of_a_damaged_checkpoint_say_so_in_one_line(trained, tmp_
 def test_eval_mode_all_skips_a_damaged_checkpoint_with_a_note(trained, tmp_path):
   model_dir = _copy(trained, tmp_path)
   _damage("flipped", os.path.join(model_dir, "checkpoint_4"))
-  r = subprocess.run([sys.executable, "-m", "t5forge", "eval", "--checkpoint", model_dir,
-                      "--mode", "all", "--task", "bible_translate_en_es", "--num_examples", "2",
-                      "--feature_lengths", "inputs=32,targets=4", "--batch_size", "2"],
-                     capture_output=True, text=True, cwd=ROOT, timeout=300)
+  r = cli("eval", "--checkpoint", model_dir, "--mode", "all", "--task", "bible_translate_en_es",
+          "--num_examples", "2", "--feature_lengths", "inputs=32,targets=4", "--batch_size", "2")
   assert r.returncode == 0, r.stderr[-3000:]
   assert "checkpoint_4: damaged:" in r.stdout and "skipped" in r.stdout, r.stdout
   assert "step 8: " in r.stdout and "(2 examples)" in r.stdout, r.stdout
@@ -199,9 +193,7 @@ def test_a_deleted_manifest_is_damage_but_a_checkpoint_from_before_manifests_loa
 def test_convert_to_t5forge_writes_a_manifest_that_verifies(trained, tmp_path):
   _, model_dir = trained
   out = str(tmp_path / "converted")
-  r = subprocess.run([sys.executable, "-m", "t5forge", "convert", "--input", model_dir,
-                      "--output", out, "--to", "t5forge"],
-                     capture_output=True, text=True, cwd=ROOT, timeout=300)
+  r = cli("convert", "--input", model_dir, "--output", out, "--to", "t5forge")
   assert r.returncode == 0, r.stderr[-3000:]
   assert manifest.verify(out) is None
   assert t5forge.load(out).params
