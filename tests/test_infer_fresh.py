@@ -3,12 +3,10 @@ mode, decoding options, lengths, checkpoint), and `eval` skips a step only when 
 covers what it would evaluate (split, example count, lengths, decoding options)."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from train_helpers import ROOT, error_line, read_jsonl, run_train, write_gin
+from train_helpers import cli, error_line, read_jsonl, train_in_process, write_gin
 
 pytestmark = pytest.mark.slow  # subprocess runs or heavy compiles: make test, not test-fast
 
@@ -40,7 +38,7 @@ def model_dir(tmp_path_factory):
   a six-example validation split, importable through PYTHONPATH as a T5X user's is."""
   d = tmp_path_factory.mktemp("fresh")
   gin = write_gin(d / "run.gin", steps=4, period=4)
-  r = run_train(gin, d / "model")
+  r = train_in_process(gin, d / "model")
   assert r.returncode == 0, r.stderr[-3000:]
   (d / "verses.tsv").write_text("".join(f"{en}\t{es}\n" for en, es in VERSES))
   (d / "user" / "fresh_tasks.py").parent.mkdir()
@@ -48,11 +46,9 @@ def model_dir(tmp_path_factory):
   return d / "model"
 
 
-def _cli(*args, timeout=600):
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-      [p for p in (os.environ.get("PYTHONPATH"),) if p] + [ROOT]))
-  return subprocess.run([sys.executable, "-m", "t5forge", *args], capture_output=True,
-                        text=True, cwd=ROOT, timeout=timeout, env=env)
+def _cli(*args):
+  """In this process, with the PYTHONPATH `user_path` sets on sys.path (train_helpers.cli)."""
+  return cli(*args, env={"PYTHONPATH": os.environ.get("PYTHONPATH", "")})
 
 
 def _pairs(path, rows):
