@@ -70,7 +70,9 @@ def pytest_collection_modifyitems(config, items):
   their file (a server, a trained run) form one xdist group and run in one worker, so that
   fixture is built once; every other test is scheduled on its own, to whichever worker is
   free. (Grouping whole files instead left one worker finishing the heaviest file alone.)"""
-  if config.getoption("dist", "no") != "loadgroup":
+  # (an xdist worker sees dist "no" and its own loadgroup flag)
+  if not (config.getoption("dist", "no") == "loadgroup"
+          or getattr(config.option, "loadgroup", False)):
     return
   parent: dict = {}
 
