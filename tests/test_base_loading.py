@@ -238,10 +238,10 @@ def test_adapter_training_reads_its_base_as_int8(tiny_flan_sharded, tmp_path):
   CLI: the run trains and says so, and its checkpoint records the base, its dtype and the
   fingerprint of the float32 base."""
   from t5forge.nn import adapters
-  from train_helpers import run_train
+  from train_helpers import train_in_process
   gin = tmp_path / "lora.gin"
   gin.write_text(ADAPTER_GIN.format(path=tiny_flan_sharded, base_dtype="int8"))
-  r = run_train(gin, tmp_path / "model")
+  r = train_in_process(gin, tmp_path / "model")
   assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
   assert "frozen in int8" in r.stdout + r.stderr
   ckpt = tmp_path / "model" / "checkpoint_2"

@@ -21,8 +21,8 @@ from t5forge.convert import manifest, native
 from t5forge.errors import UserError
 from t5forge.train import loop, run_lock
 from t5forge.train import metrics as metrics_lib
-from train_helpers import (ROOT, cli, error_line, final_params, fingerprints, run_train,
-                           train_cmd, wait_all, write_gin)
+from train_helpers import (ROOT, cli, error_line, final_params, fingerprints, train_cmd,
+                           train_in_process, wait_all, write_gin)
 
 
 def _lines(url):
@@ -142,7 +142,7 @@ def uninterrupted(tmp_path_factory):
   """20 steps into a local MODEL_DIR without interruption: the reference."""
   d = tmp_path_factory.mktemp("uninterrupted")
   gin = write_gin(d / "run.gin", steps=20, period=5, eval_period=10, stats_period=5)
-  r = run_train(gin, d / "model")
+  r = train_in_process(gin, d / "model")
   assert r.returncode == 0, r.stderr[-3000:]
   return gin, d / "model"
 

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from t5forge.data import bundled_tasks
-from train_helpers import ROOT, error_line, read_jsonl, run_train
+from train_helpers import ROOT, error_line, read_jsonl, train_in_process
 
 EXAMPLES_DIR = os.path.join(ROOT, "t5forge", "configs", "examples")
 EXAMPLES = sorted(glob.glob(os.path.join(EXAMPLES_DIR, "*.gin")))
@@ -81,7 +81,7 @@ def _bindings(gin_file, request):
 @pytest.mark.parametrize("gin_file", EXAMPLES, ids=os.path.basename)
 def test_example_trains(gin_file, tmp_path, request):
   model_dir = tmp_path / "model"
-  r = run_train(os.path.relpath(gin_file, ROOT), model_dir,
+  r = train_in_process(os.path.relpath(gin_file, ROOT), model_dir,
                 *_bindings(gin_file, request))
   assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
   assert "Traceback" not in r.stderr, r.stderr[-3000:]
@@ -142,7 +142,7 @@ infer_eval/utils.DatasetConfig:
   pack = False
 """)
   model_dir = tmp_path / "model"
-  r = run_train(str(gin), model_dir)
+  r = train_in_process(str(gin), model_dir)
   assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
   notes = [l for l in r.stdout.splitlines() if "inference evaluation skipped" in l]
   assert notes == ["note: 'english_span_corruption': no task has a 'validation' split with "

@@ -16,7 +16,7 @@ from t5forge.nn.lora import LoraConfig
 from t5forge.train import optim
 from t5forge.train.state import TrainState
 from t5forge.train.step import make_train_step
-from train_helpers import run_train, write_gin
+from train_helpers import run_train, train_in_process, write_gin
 
 HEADER = """
 from __gin__ import dynamic_registration
@@ -44,7 +44,7 @@ def base_dir(tmp_path_factory):
   """A tiny T5.1.1 pretrained here for 8 steps: the frozen base."""
   d = tmp_path_factory.mktemp("base")
   gin = write_gin(d / "base.gin", steps=8, period=8, stats_period=8)
-  r = run_train(gin, d / "run")
+  r = train_in_process(gin, d / "run")
   assert r.returncode == 0, r.stderr[-3000:]
   return str(d / "run" / "checkpoint_8")
 
@@ -65,13 +65,13 @@ def _leaves(params):
 def test_adapter_training_keeps_the_base_and_checkpoints_only_the_adapter(tmp_path, base_dir):
   gin = _lora_gin(tmp_path, base_dir, steps=6, period=3)
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-  r = run_train(gin, straight)
+  r = train_in_process(gin, straight)
   assert r.returncode == 0, r.stderr[-3000:]
   assert "frozen in float32" in r.stderr + r.stdout
   # Interrupted after 3 steps, then resumed to 6: the adapter is bitwise the same.
-  r = run_train(gin, resumed, "TRAIN_STEPS=3")
+  r = train_in_process(gin, resumed, "TRAIN_STEPS=3")
   assert r.returncode == 0, r.stderr[-3000:]
-  r = run_train(gin, resumed)
+  r = train_in_process(gin, resumed)
   assert r.returncode == 0, r.stderr[-3000:]
   assert "resumed from" in r.stderr + r.stdout
   ckpt = straight / "checkpoint_6"
@@ -112,7 +112,7 @@ def test_adapter_training_keeps_the_base_and_checkpoints_only_the_adapter(tmp_pa
 @pytest.mark.slow
 def test_resuming_on_another_base_names_both_fingerprints(tmp_path, base_dir):
   gin = _lora_gin(tmp_path, base_dir, steps=2, period=2)
-  r = run_train(gin, tmp_path / "run")
+  r = train_in_process(gin, tmp_path / "run")
   assert r.returncode == 0, r.stderr[-3000:]
   other = tmp_path / "other_base"
   shutil.copytree(base_dir, other)
@@ -124,6 +124,7 @@ def test_resuming_on_another_base_names_both_fingerprints(tmp_path, base_dir):
   shutil.rmtree(other)
   native.save(str(other), cfg, params, extra_config={k: v for k, v in extra.items()
                                                       if k != "model"})
+  # A process of its own: how it exits after the error is part of what the user sees.
   r = run_train(gin, tmp_path / "run", "TRAIN_STEPS=4", f"INITIAL_CHECKPOINT_PATH='{other}'")
   assert r.returncode != 0
   last = r.stderr.strip().splitlines()[-1]
@@ -133,7 +134,7 @@ def test_resuming_on_another_base_names_both_fingerprints(tmp_path, base_dir):
 def test_adapter_training_needs_a_base(tmp_path):
   gin = write_gin(tmp_path / "g.gin", steps=2, period=2, header=HEADER,
                   extra="network.ModelConfig.lora = @lora.LoraConfig()\n")
-  r = run_train(gin, tmp_path / "run")
+  r = train_in_process(gin, tmp_path / "run")
   assert r.returncode != 0
   assert "needs the frozen base: set INITIAL_CHECKPOINT_PATH" in r.stderr.strip().splitlines()[-1]
 
@@ -142,7 +143,7 @@ def test_adapter_training_needs_a_base(tmp_path):
 @pytest.mark.parametrize("base_dtype", ["bfloat16", "int8"])
 def test_a_bfloat16_or_int8_base_trains(tmp_path, base_dir, base_dtype):
   gin = _lora_gin(tmp_path, base_dir, steps=2, period=2, base_dtype=base_dtype)
-  r = run_train(gin, tmp_path / "run")
+  r = train_in_process(gin, tmp_path / "run")
   assert r.returncode == 0, r.stderr[-3000:]
   assert f"frozen in {base_dtype}" in r.stderr + r.stdout
   record = json.loads((tmp_path / "run" / "checkpoint_2" / adapters.CONFIG_FILE).read_text())
@@ -161,7 +162,7 @@ def test_lora_fine_tuning_lowers_the_held_out_loss(tmp_path, base_dir):
   gin_text = open(gin).read() + ("train_script.train.run_eval_before_training = True\n"
                                  "OPTIMIZER = @optim.AdamW()\n")
   open(gin, "w").write(gin_text)
-  r = run_train(gin, tmp_path / "run")
+  r = train_in_process(gin, tmp_path / "run")
   assert r.returncode == 0, r.stderr[-3000:]
   rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
   losses = {row["step"]: row["loss_per_nonpadding_target_token"] for row in rows

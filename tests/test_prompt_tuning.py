@@ -293,7 +293,7 @@ def test_prompt_tuning_trains_only_the_prompt_and_the_loss_falls(tmp_path):
   from t5forge.convert import native
   from t5forge.data import bundled_tasks
   from t5forge.nn import adapters
-  from train_helpers import read_jsonl, run_train
+  from train_helpers import read_jsonl, train_in_process
   base = t5forge.init("t5_1_1.tiny", vocab_size=8000, dropout_rate=0.0,
                       vocabulary=bundled_tasks.VOCABULARY)
   base_dir = str(tmp_path / "base")
@@ -304,7 +304,7 @@ def test_prompt_tuning_trains_only_the_prompt_and_the_loss_falls(tmp_path):
   gin_file = tmp_path / "prompt.gin"
   gin_file.write_text(TRAIN_GIN)
   model_dir = tmp_path / "run"
-  r = run_train(str(gin_file), model_dir, f'INITIAL_CHECKPOINT_PATH="{base_dir}"',
+  r = train_in_process(str(gin_file), model_dir, f'INITIAL_CHECKPOINT_PATH="{base_dir}"',
                 f'prompt.PromptConfig.path="{npy}"')
   assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
   rows = read_jsonl(model_dir / "metrics.jsonl")

@@ -15,7 +15,7 @@ from hf_t5gemma_reference import build_hf_dir, write_sentencepiece, write_tokeni
 from t5forge.convert import native
 from t5forge.errors import UserError
 from train_helpers import (EIGHT, ROOT, error_line, final_params, fingerprints, kill_when,
-                           read_jsonl, run_train, train_cmd, write_gin)
+                           read_jsonl, train_cmd, train_in_process, write_gin)
 
 pytestmark = pytest.mark.slow  # subprocess runs or heavy compiles: make test, not test-fast
 
@@ -36,7 +36,7 @@ utils.create_learning_rate_scheduler.factors = 'constant'
 utils.create_learning_rate_scheduler.base_learning_rate = 0.1
 train_script.train.run_eval_before_training = True
 """)
-  r = run_train(gin, d / "model")
+  r = train_in_process(gin, d / "model")
   assert r.returncode == 0, r.stderr[-3000:]
   return gin, d / "model"
 
@@ -67,7 +67,7 @@ def test_sigkill_after_a_checkpoint_resumes_bitwise(reference, tmp_path):
                      lambda: 12 in native.checkpoint_steps(str(model_dir)))
   assert killed, "the run finished before it could be killed"
   assert native.checkpoint_steps(str(model_dir))[-1] < 24
-  r = run_train(gin, model_dir, *no_eval)
+  r = train_in_process(gin, model_dir, *no_eval)
   assert r.returncode == 0, r.stderr[-3000:]
   # Resumed from checkpoint 12 (not restarted: that would also end bitwise equal).
   assert "step 18/24" in r.stdout and "step 6/24" not in r.stdout, r.stdout[-2000:]
@@ -166,7 +166,7 @@ def test_finetune_gin_starts_from_an_hf_t5gemma_directory(hf_gqa, tmp_path):
   from t5forge.convert import load_checkpoint
   gin = tmp_path / "ft.gin"
   gin.write_text(GQA_GIN.format(path=hf_gqa))
-  r = run_train(gin, tmp_path / "model",
+  r = train_in_process(gin, tmp_path / "model",
                 "utils.create_learning_rate_scheduler.base_learning_rate=0.0",
                 "utils.create_learning_rate_scheduler.min_learning_rate=0.0")
   assert r.returncode == 0, r.stderr[-3000:]
@@ -203,7 +203,7 @@ DROPOUT_RATE = 0.0
 network.ModelConfig.vocab_size = 8000
 INITIAL_CHECKPOINT_PATH = '{hf}'
 """)
-  line = error_line(run_train(gin, tmp_path / "model"))
+  line = error_line(train_in_process(gin, tmp_path / "model"))
   assert "(a encoder_decoder checkpoint, the model is t5gemma)" in line, line
   assert "parameter 'decoder/decoder_norm/scale' has shape (16,)" in line, line
   assert "include a T5 model gin" in line and "architecture 't5gemma'" in line, line

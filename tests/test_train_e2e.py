@@ -10,8 +10,8 @@ import pytest
 
 from conftest import T5X_FIXTURE
 from t5forge.convert import native
-from train_helpers import (fingerprints, final_params, kill_when, read_jsonl, run_train, train_cmd,
-                           write_gin)
+from train_helpers import (final_params, fingerprints, kill_when, read_jsonl, train_cmd,
+                           train_in_process, write_gin)
 
 pytestmark = pytest.mark.slow  # subprocess runs or heavy compiles: make test, not test-fast
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow  # subprocess runs or heavy compiles: make test, n
 def uninterrupted(tmp_path_factory):
   d = tmp_path_factory.mktemp("uninterrupted")
   gin = write_gin(d / "run.gin", steps=12, period=4, eval_period=6)
-  r = run_train(gin, d / "model")
+  r = train_in_process(gin, d / "model")
   assert r.returncode == 0, r.stderr[-3000:]
   return gin, d / "model", r
 
@@ -50,7 +50,7 @@ def test_loss_falls_by_a_margin(tmp_path):
   held-out (Gospel of John) loss per target token falls from ln(8000) ~ 9.0 at step 0
   by more than 2.5 nats."""
   gin = write_gin(tmp_path / "run.gin", steps=60, period=60, eval_period=60, stats_period=10)
-  r = run_train(gin, tmp_path / "model", "utils.create_learning_rate_scheduler.factors='constant'",
+  r = train_in_process(gin, tmp_path / "model", "utils.create_learning_rate_scheduler.factors='constant'",
                 "utils.create_learning_rate_scheduler.base_learning_rate=0.05",
                 "train_script.train.run_eval_before_training=True")
   assert r.returncode == 0, r.stderr[-3000:]
@@ -68,7 +68,7 @@ def test_sigkill_after_a_checkpoint_resumes_bitwise(uninterrupted, tmp_path):
                      lambda: 4 in native.checkpoint_steps(str(model_dir)))
   assert killed, "the run finished before it could be killed"
   assert native.checkpoint_steps(str(model_dir))[-1] < 12
-  r = run_train(gin, model_dir)
+  r = train_in_process(gin, model_dir)
   assert r.returncode == 0, r.stderr[-3000:]
   path, params = final_params(model_dir)
   ref_path, ref = final_params(ref_dir)
@@ -91,7 +91,7 @@ def test_sigkill_during_an_async_save_resumes_bitwise(uninterrupted, tmp_path):
   else:
     pytest.fail("never caught a save in progress")
   assert glob.glob(str(model_dir / "*orbax-checkpoint-tmp*"))  # the torn save is on disk
-  r = run_train(gin, model_dir)
+  r = train_in_process(gin, model_dir)
   assert r.returncode == 0, r.stderr[-3000:]
   _, params = final_params(model_dir)
   _, ref = final_params(ref_dir)
@@ -101,7 +101,7 @@ def test_sigkill_during_an_async_save_resumes_bitwise(uninterrupted, tmp_path):
 
 def test_rerun_after_the_last_step_says_so_and_exits_0(uninterrupted):
   gin, model_dir, _ = uninterrupted
-  r = run_train(gin, model_dir)
+  r = train_in_process(gin, model_dir)
   assert r.returncode == 0 and "not above the restored step 12" in r.stdout
 
 
@@ -128,7 +128,7 @@ INITIAL_CHECKPOINT_PATH = '{T5X_FIXTURE}'
 utils.RestoreCheckpointConfig.assignment_map = (
     (r'token_embedder/embedding', None), (r'decoder/logits_dense/kernel', None))
 """)
-  r = run_train(gin, tmp_path / "model")
+  r = train_in_process(gin, tmp_path / "model")
   assert r.returncode == 0, r.stderr[-3000:]
   assert "initialised from" in r.stdout and "2 parameter(s) from scratch" in r.stdout
   _, params = final_params(tmp_path / "model")
@@ -167,7 +167,7 @@ network.ModelConfig:
   mlp_dim = 32
 INITIAL_CHECKPOINT_PATH = '{hf}'
 """)
-  r = run_train(gin, tmp_path / "model")
+  r = train_in_process(gin, tmp_path / "model")
   assert r.returncode == 0, r.stderr[-3000:]
   assert f"initialised from {hf} (step 0)" in r.stdout
   assert native.checkpoint_steps(str(tmp_path / "model")) == [2]
