@@ -45,7 +45,9 @@ def _extra_lines(cfg) -> list[str]:
 def render(name: str) -> str:
   family, size = name.split(".")
   cfg = presets.get(name)
-  n = count_params(abstract_params(cfg))
+  # The scanned stack has the same parameters, stacked: tracing one layer instead of all
+  # makes the count ~3x quicker (the model-gin test renders every preset).
+  n = count_params(abstract_params(cfg.replace(scan_layers=True)))
   dec_only = not cfg.is_encoder_decoder
   model_cls = "DecoderOnlyModel" if dec_only else "EncoderDecoderModel"
   acts = "(" + ", ".join(repr(a) for a in cfg.mlp_activations) + ("," if len(cfg.mlp_activations) == 1 else "") + ")"
