@@ -4,10 +4,11 @@ One persistent JAX compilation cache serves the whole run: the pytest workers, e
 `python -m t5forge` subprocess and every server the tests start compile the same tiny
 models again and again, and each compile after the first is a read from the cache. It lives
 in a directory made for this run (removed at the end) unless JAX_COMPILATION_CACHE_DIR is
-set already, which keeps a developer's own cache across runs. A size limit turns on JAX's
-file lock, so that two processes writing and reading one entry at once never see half a
-file. Compile counters count cache hits as compiles (t5forge.engine.compile_count), so
-"nothing compiles after ready" still means what it says.
+set already, which keeps a developer's own cache across runs. No size limit: with one, JAX
+locks the directory and lists every entry on each write (thousands here: minutes over a
+run). Without the lock a read racing the write of the same entry can fail; JAX then warns
+and compiles. Compile counters count cache hits as compiles (t5forge.engine.compile_count),
+so "nothing compiles after ready" still means what it says.
 """
 import atexit
 import os
@@ -23,7 +24,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the controller, or a run wi
   atexit.register(shutil.rmtree, _JAX_CACHE, True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 << 30))
 
 sys.path.insert(0, os.path.dirname(__file__))
 
