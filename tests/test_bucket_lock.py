@@ -72,6 +72,20 @@ def test_the_lock_is_renewed_while_held(bucket_env, monkeypatch):
   assert not storage.exists(lock_url)
 
 
+def _acquire_once_stale(url, timeout=60):
+  """-> (lock, note): polls acquire() until the holder's lock has gone stale (it refuses with
+  "in use" until then); TimeoutError after `timeout` s."""
+  deadline = time.monotonic() + timeout
+  while True:
+    lock = run_lock.BucketLock(url)
+    try:
+      return lock, lock.acquire()
+    except UserError as e:
+      if "in use" not in str(e) or time.monotonic() > deadline:
+        raise
+    time.sleep(0.2)
+
+
 def test_a_stale_lock_is_taken_over_with_a_note_naming_its_holder(bucket_env, monkeypatch):
   emu, bucket = bucket_env
   monkeypatch.setenv(run_lock.TIMEOUT_ENV, "1.5")
@@ -83,9 +97,7 @@ def test_a_stale_lock_is_taken_over_with_a_note_naming_its_holder(bucket_env, mo
   with pytest.raises(UserError, match="in use by pid 4242 on host another-host since "
                      r"2024-01-01 00:00:00 UTC \(t5forge train\); wait for it"):
     run_lock.BucketLock(url).acquire()
-  time.sleep(3)
-  lock = run_lock.BucketLock(url)
-  note = lock.acquire()
+  lock, note = _acquire_once_stale(url)
   assert note.startswith("note: took over the lock of pid 4242 on host another-host "
                          "(t5forge train since 2024-01-01 00:00:00 UTC), which has not renewed "
                          f"{url}/.lock for ")
@@ -114,9 +126,8 @@ def test_a_killed_holder_is_named_gone_then_taken_over_after_the_timeout(bucket_
     run_lock.BucketLock(url).acquire()
   assert (f"; pid {holder.pid} is gone: its lock is taken over when not renewed for 3 s ("
           in str(e.value))
-  time.sleep(4)
-  lock = run_lock.BucketLock(url)
-  assert f"took over the lock of pid {holder.pid} on host {HOST}" in lock.acquire()
+  lock, note = _acquire_once_stale(url)
+  assert f"took over the lock of pid {holder.pid} on host {HOST}" in note
   lock.release()
 
 

@@ -85,12 +85,14 @@ def test_killing_one_process_stops_the_other(tmp_path, victim):
   gin = write_gin(tmp_path / "run.gin", steps=100000, period=100000, stats_period=1000)
   procs = _two_processes(gin, tmp_path / "m", heartbeat=5)
   try:
-    start = time.time()
-    while time.time() - start < 300:  # wait until training is under way
-      if (tmp_path / "m" / "model-info.txt").exists():
-        break
+    # Training is under way (step 1 compiled and ran) once both processes logged the
+    # fingerprint of their second batch: each is written before its step.
+    fingerprints = [tmp_path / "m" / f"batch_fingerprints.{i}.jsonl" for i in (0, 1)]
+    deadline = time.monotonic() + 300
+    while not all(f.exists() and f.read_text().count("\n") >= 2 for f in fingerprints):
+      assert time.monotonic() < deadline, "training did not start in 300 s"
+      assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
       time.sleep(0.2)
-    time.sleep(3)
     procs[victim].send_signal(signal.SIGKILL)
     killed = time.time()
     survivor = procs[1 - victim]

@@ -65,6 +65,7 @@ def cli(*argv, cwd=ROOT, env=None) -> subprocess.CompletedProcess:
   code = 0
   with contextlib.ExitStack() as stack:
     stack.enter_context(_logging_restored())
+    stack.enter_context(_registrations_undone())
     stack.enter_context(_environ(env or {}))
     stack.enter_context(_sys_path(cwd, (env or {}).get("PYTHONPATH")))
     stack.enter_context(contextlib.chdir(cwd))
@@ -94,6 +95,28 @@ def _logging_restored():
   finally:
     logging.root.handlers[:] = handlers
     logging.getLogger("t5forge").setLevel(level)
+
+
+@contextlib.contextmanager
+def _registrations_undone():
+  """What the command imported from the user's paths (a `--module`, a gin's `import tasks`)
+  and the tasks and mixtures it registered are gone again, as when its process ends: a
+  later test in this process sees the bundled registry only, and its own `tasks` module
+  when it imports one, not this one's from sys.modules."""
+  from t5forge.data import MixtureRegistry, TaskRegistry
+  before = {r: set(r.names()) for r in (TaskRegistry, MixtureRegistry)}
+  modules = set(sys.modules)
+  try:
+    yield
+  finally:
+    for registry, names in before.items():
+      for name in set(registry.names()) - names:
+        registry.remove(name)
+    kept = (sys.prefix, sys.base_prefix, os.path.join(ROOT, "t5forge"))
+    for name in set(sys.modules) - modules:
+      path = getattr(sys.modules[name], "__file__", None) or ""
+      if path and not os.path.abspath(path).startswith(kept):
+        del sys.modules[name]
 
 
 @contextlib.contextmanager
