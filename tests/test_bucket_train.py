@@ -21,8 +21,8 @@ from t5forge.convert import manifest, native
 from t5forge.errors import UserError
 from t5forge.train import loop, run_lock
 from t5forge.train import metrics as metrics_lib
-from train_helpers import (ROOT, cli, error_line, final_params, fingerprints, train_cmd,
-                           train_in_process, wait_all, write_gin)
+from train_helpers import (ROOT, cli, error_line, final_params, fingerprints, host_devices,
+                           train_cmd, train_in_process, wait_all, write_gin)
 
 
 def _lines(url):
@@ -100,8 +100,8 @@ HOST = socket.gethostname()
 def _env(tmp_path, devices=1, **extra):
   """A subprocess's environment: this process's (pointed at the emulator by bucket_env),
   its own T5FORGE_CACHE, t5forge importable from any working directory."""
-  return {**os.environ, "T5FORGE_CACHE": str(tmp_path / "cache"), "PYTHONPATH": ROOT,
-          "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **extra}
+  return {**host_devices(devices), "T5FORGE_CACHE": str(tmp_path / "cache"), "PYTHONPATH": ROOT,
+          **extra}
 
 
 def _train(tmp_path, gin, model_dir, *bindings, env=None, extra=()):

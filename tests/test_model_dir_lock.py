@@ -16,7 +16,7 @@ import pytest
 
 from t5forge.errors import UserError
 from t5forge.train import run_lock
-from train_helpers import ROOT, error_line, read_jsonl, run_train, train_cmd, write_gin
+from train_helpers import ROOT, host_devices, error_line, read_jsonl, run_train, train_cmd, write_gin
 
 pytestmark = pytest.mark.slow  # subprocess runs or heavy compiles: make test, not test-fast
 
@@ -167,7 +167,7 @@ def test_a_refused_multi_process_job_fails_on_every_process(tmp_path):
     port = s.getsockname()[1]
   model_dir = tmp_path / "model"
   gin = write_gin(tmp_path / "run.gin", steps=4, period=4)
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+  env = host_devices(1)
   with run_lock.RunLock(str(model_dir)):
     procs = [subprocess.Popen(
         train_cmd(gin, model_dir) + [f"--coordinator_address=127.0.0.1:{port}",

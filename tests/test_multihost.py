@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from t5forge.convert import native
-from train_helpers import ROOT, read_jsonl, wait_all, write_gin
+from train_helpers import ROOT, host_devices, read_jsonl, wait_all, write_gin
 
 pytestmark = pytest.mark.slow  # subprocess runs or heavy compiles: make test, not test-fast
 
@@ -26,7 +26,7 @@ def _port() -> int:
 
 
 def _env(devices):
-  return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+  return host_devices(devices)
 
 
 def _cmd(gin, model_dir, *extra):

@@ -14,7 +14,7 @@ from t5forge.convert import native
 from t5forge.data import vocab_io
 from t5forge.data.vocab import SentencePieceVocabulary
 from t5forge.nn import init_params
-from train_helpers import ROOT, error_line, read_jsonl
+from train_helpers import ROOT, error_line, host_devices, read_jsonl
 
 BUNDLED = os.path.join(ROOT, "t5forge", "data", "bundled")
 WORKER = os.path.join(os.path.dirname(__file__), "mesh_inference_worker.py")
@@ -32,16 +32,9 @@ def ckpt(tmp_path_factory):
   return path
 
 
-def _env(devices: int) -> dict:
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                      f" --xla_force_host_platform_device_count={devices}").strip()
-  return env
-
-
 def _worker(ckpt, devices, mp, pdims):
   r = subprocess.run([sys.executable, WORKER, ckpt, str(mp), str(pdims)], capture_output=True,
-                     text=True, env=_env(devices), cwd=ROOT, timeout=600)
+                     text=True, env=host_devices(devices), cwd=ROOT, timeout=600)
   assert r.returncode == 0, r.stderr[-3000:]
   return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -75,7 +68,8 @@ def test_infer_cli_on_a_mesh_equals_one_device(ckpt, tmp_path):
     r = subprocess.run([sys.executable, "-m", "t5forge", "infer", "--checkpoint", ckpt,
                         "--input", str(inputs), "--output_dir", str(tmp_path / f"d{devices}"),
                         "--batch_size", "4", "--max_decode_length", "10", *flags],
-                       capture_output=True, text=True, env=_env(devices), cwd=ROOT, timeout=600)
+                       capture_output=True, text=True, env=host_devices(devices), cwd=ROOT,
+                       timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     out[devices] = [row["prediction_tokens"] for row in
                     read_jsonl(os.path.join(tmp_path / f"d{devices}", "inputs-0.jsonl"))]
@@ -89,7 +83,7 @@ def test_infer_cli_refuses_a_mesh_that_does_not_fit(ckpt, tmp_path):
   r = subprocess.run([sys.executable, "-m", "t5forge", "infer", "--checkpoint", ckpt,
                       "--input", str(inputs), "--output_dir", str(tmp_path / "o"),
                       "--num_partitions", "3"], capture_output=True, text=True,
-                     env=_env(2), cwd=ROOT, timeout=600)
+                     env=host_devices(2), cwd=ROOT, timeout=600)
   assert "num_partitions=3 does not divide the 2 available devices" in error_line(r)
 
 

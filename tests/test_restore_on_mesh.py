@@ -16,7 +16,7 @@ from t5forge.convert import native
 from t5forge.data import vocab_io
 from t5forge.data.vocab import SentencePieceVocabulary
 from t5forge.nn import init_params
-from train_helpers import ROOT
+from train_helpers import ROOT, host_devices
 
 BUNDLED = os.path.join(ROOT, "t5forge", "data", "bundled")
 WORKER = os.path.join(os.path.dirname(__file__), "mesh_restore_worker.py")
@@ -35,9 +35,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.mark.slow  # ~1 min: a subprocess that compiles eval on 8 devices
 def test_load_eval_and_serve_restore_each_parameter_onto_its_shards(ckpt, tmp_path):
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                      " --xla_force_host_platform_device_count=8").strip()
+  env = host_devices(8)
   r = subprocess.run([sys.executable, WORKER, ckpt, "2", str(tmp_path / "eval")],
                      capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
   assert r.returncode == 0, r.stderr[-3000:]

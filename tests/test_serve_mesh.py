@@ -2,22 +2,15 @@
 --parameter_partitioning_dims 2`: a (data 4, model 2) mesh, embed sharded over 'data')
 gives the same completions and scores as the same checkpoint served on one device."""
 import concurrent.futures
-import os
 
 import pytest
 
 from t5forge.testing import FAST_FLAGS, Server, request, tiny_checkpoint
+from train_helpers import host_devices
 
 PROMPTS = ["In the beginning God created the heavens and the earth.", "Jesus wept.",
            "The LORD is my shepherd; I shall not want.", "Love is patient and kind.",
            "And God said, Let there be light.", "Amen.", "Blessed are the meek.", "Hello."]
-
-
-def _env(devices: int) -> dict:
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                      f" --xla_force_host_platform_device_count={devices}").strip()
-  return env
 
 
 def _outputs(server: Server) -> dict:
@@ -46,7 +39,7 @@ def test_served_on_8_devices_with_2d_rules_equals_one_device(tmp_path):
   out = {}
   for devices, flags in ((1, []), (8, ["--num_partitions", "2",
                                        "--parameter_partitioning_dims", "2"])):
-    server = Server(ckpt, *FAST_FLAGS, *flags, env=_env(devices))
+    server = Server(ckpt, *FAST_FLAGS, *flags, env=host_devices(devices))
     try:
       assert f"{devices} cpu device(s)" in server.ready_line, server.ready_line
       out[devices] = _outputs(server)

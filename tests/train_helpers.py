@@ -8,8 +8,17 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def host_devices(n: int) -> dict:
+  """The environment of a subprocess with n host CPU devices: this process's, with the
+  device count added to its XLA_FLAGS (which keep the suite's compile flags, conftest.py)."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  return {**os.environ, "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={n}".strip()}
+
+
 # The environment of a subprocess with 8 host CPU devices (the partitioning tests).
-EIGHT = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+EIGHT = host_devices(8)
 
 TINY_GIN = """
 include 'runs/pretrain.gin'
