@@ -22,12 +22,11 @@ def test_meshes_match_one_device_and_shard_as_the_rules_say(tmp_path):
                      timeout=1200)
   assert r.returncode == 0, r.stderr[-4000:]
   report = json.loads(r.stdout.strip().splitlines()[-1])
-  for mesh in ("8x1", "4x2", "2x4"):
-    for pdims in (1, 2):
-      x = report[f"{mesh}_p{pdims}"]
-      # Three Adafactor steps; float32 rounding of differently ordered reductions only.
-      assert x["max_param_diff"] < 1e-5 and x["loss_diff"] < 1e-2, (mesh, pdims, x)
-      assert x["leaves_checked"] > 200
+  for name in ("8x1_p1", "4x2_p1", "4x2_p2", "2x4_p2"):
+    x = report[name]
+    # Three Adafactor steps; float32 rounding of differently ordered reductions only.
+    assert x["max_param_diff"] < 1e-5 and x["loss_diff"] < 1e-2, (name, x)
+    assert x["leaves_checked"] > 200
   # 2-D parameter rules shard more parameters (embed over 'data') than 1-D ones.
   assert report["4x2_p2"]["sharded_params"] > report["4x2_p1"]["sharded_params"]
   assert report["restore_8x1"]["devices"] == 8 and report["restore_1x1"]["devices"] == 1
