@@ -239,7 +239,7 @@ def test_fast_training_modes_give_the_reference_gradient(hf_dirs):
   def grads(cfg):
     from t5forge.nn.stack import stack_layers
     p = stack_layers(params) if cfg.scan_layers else params
-    g = jax.grad(lambda p: EncoderDecoderModel(cfg).loss_fn(p, batch, None)[0])(p)
+    g = jax.jit(jax.grad(lambda p: EncoderDecoderModel(cfg).loss_fn(p, batch, None)[0]))(p)
     return params_to_state(g, cfg)
 
   want = grads(config)

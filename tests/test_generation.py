@@ -190,14 +190,19 @@ def test_decoder_only_cached_generation_equals_recomputation():
     got = np.asarray(model.predict_batch(params, {"decoder_input_tokens": tokens,
                                                   "decoder_causal_attention": causal},
                                          max_decode_length=6))
+    # The whole sequence again at every step, zero-padded to one length so that it compiles
+    # once: with causal attention after the prompt the padding changes no earlier logit.
+    logits_fn = jax.jit(model.logits)
     for i, p in enumerate(prompts):
       seq = [0] + p
       for _ in range(6):
-        pre = np.array([seq], np.int32)
-        mask = np.array([[1] * (len(p) + 1) + [0] * (len(seq) - len(p) - 1)], np.int32)
-        logits = model.logits(params, {"decoder_input_tokens": pre,
-                                       "decoder_causal_attention": mask})
-        seq.append(int(np.argmax(logits[0, -1])))
+        pre = np.zeros((1, 12), np.int32)
+        pre[0, :len(seq)] = seq
+        mask = np.zeros((1, 12), np.int32)
+        mask[0, :len(p) + 1] = 1
+        logits = logits_fn(params, {"decoder_input_tokens": pre,
+                                    "decoder_causal_attention": mask})
+        seq.append(int(np.argmax(logits[0, len(seq) - 1])))
       want = seq[len(p) + 1:]
       if 1 in want:  # zeros after EOS
         want = want[:want.index(1) + 1] + [0] * (len(want) - want.index(1) - 1)
