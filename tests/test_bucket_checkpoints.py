@@ -66,6 +66,7 @@ def _run(url, steps=(2, 4), **config):
   return url
 
 
+@pytest.mark.slow
 def test_save_and_restore_on_a_bucket_bitwise(bucket_env):
   emu, bucket = bucket_env
   url = _run(bucket + "/run")
@@ -85,6 +86,7 @@ def test_save_and_restore_on_a_bucket_bitwise(bucket_env):
 
 
 @pytest.mark.parametrize("bucket_env", ["gs"], indirect=True)
+@pytest.mark.slow
 def test_a_save_stopped_between_our_manifest_and_orbaxs_marker_is_resumed(bucket_env):
   """On gs:// Orbax writes its commit marker after our manifest. A run killed between the
   two left a whole checkpoint that the next run's Orbax took for an unfinished save and
@@ -111,6 +113,7 @@ def test_a_save_stopped_between_our_manifest_and_orbaxs_marker_is_resumed(bucket
   assert native.checkpoint_steps(url) == [2, 4]
 
 
+@pytest.mark.slow
 def test_keep_deletes_old_checkpoints_in_the_bucket(bucket_env):
   _, bucket = bucket_env
   url = _run(bucket + "/run", steps=(1, 2, 3, 4), keep=2)
@@ -132,6 +135,7 @@ def _flip(url):
 
 
 @pytest.mark.parametrize("kind", ["flipped", "deleted"])
+@pytest.mark.slow
 def test_a_damaged_checkpoint_falls_back_to_the_previous_one_with_a_note(bucket_env, kind):
   emu, bucket = bucket_env
   url = _run(bucket + "/run")
@@ -196,6 +200,7 @@ def _logits(path):
   return t5forge.load(path).logits(*_tokens())
 
 
+@pytest.mark.slow
 def test_load_a_bucket_model_dir_and_its_checkpoint_equals_the_local_copy(bucket_env,
                                                                           tiny_model_dir):
   from t5forge import convert

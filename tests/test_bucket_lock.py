@@ -57,6 +57,7 @@ def test_a_second_holder_is_refused_in_one_line_naming_the_first(bucket_env):
   again.release()
 
 
+@pytest.mark.slow
 def test_the_lock_is_renewed_while_held(bucket_env, monkeypatch):
   emu, bucket = bucket_env
   monkeypatch.setenv(run_lock.TIMEOUT_ENV, "2")

@@ -14,6 +14,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from t5forge.engine import compile_count
 from train_helpers import ROOT
@@ -39,6 +40,7 @@ print(json.dumps(events))
 """
 
 
+@pytest.mark.slow
 def test_a_second_process_reads_t5forges_executables_from_the_cache(tmp_path):
   env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache")}
 

@@ -95,6 +95,7 @@ def _sampled(seed_rows):
           for ids, mx, tk, tp, seed, j in seed_rows]
 
 
+@pytest.mark.slow
 def test_seeded_sampling_ignores_its_neighbours():
   m = sh.eos_prone("t5_1_1.tiny")
   rng = np.random.default_rng(3)
@@ -136,6 +137,7 @@ def test_no_compiles_after_ready_across_500_requests():
     e.close()
 
 
+@pytest.mark.slow
 def test_cancelled_rows_free_their_slots_and_queued_ones_never_start():
   m = t5forge.init("t5_1_1.tiny", vocab_size=VOCAB, seed=1)
   e = _engine(m, slots=2, steps=1)
@@ -161,6 +163,7 @@ def test_cancelled_rows_free_their_slots_and_queued_ones_never_start():
     e.close()
 
 
+@pytest.mark.slow
 def test_priority_then_arrival_and_queue_timeout():
   m = t5forge.init("t5_1_1.tiny", vocab_size=VOCAB, seed=1)
   e = _engine(m, slots=1, steps=8, max_queue_wait_s=0.5)
@@ -193,6 +196,7 @@ def test_priority_then_arrival_and_queue_timeout():
     e.close()
 
 
+@pytest.mark.slow
 def test_drain_still_takes_rows_close_refuses_them():
   # SIGTERM starts the deadline while uvicorn still finishes requests it accepted before
   # the signal: their rows must reach a slot, not fail as if the server were closed.

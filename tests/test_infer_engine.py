@@ -29,6 +29,7 @@ def _texts(count: int, seed: int = 0) -> list[list[int]]:
   return [rng.integers(5, 250, int(rng.integers(3, 90))).tolist() for _ in range(count)]
 
 
+@pytest.mark.slow
 def test_generate_greedy_equals_static_batches_and_sampling_ignores_slots(model):
   texts = _texts(40)
   got = model.generate(texts, batch_size=8, max_decode_length=32)
@@ -89,6 +90,7 @@ def test_infer_cli_continuous_equals_static_and_sampling_is_recorded(model, tmp_
   assert r.returncode != 0 and "scheduler" in r.stderr.strip().splitlines()[-1], r.stderr
 
 
+@pytest.mark.slow
 def test_generate_follows_new_parameters_without_recompiling(model):
   from t5forge.engine import compile_count
   texts = _texts(6, seed=3)
@@ -111,6 +113,7 @@ def test_generate_follows_new_parameters_without_recompiling(model):
     model.params = old
 
 
+@pytest.mark.slow
 def test_predict_and_score_take_new_parameters_without_recompiling(model):
   """`Model.predict` / `score` pass the current parameters to the one Generator per call:
   new parameters give what a Generator built for them gives, and going back to the first

@@ -300,6 +300,7 @@ def test_api_misuse_is_one_line(bases, t5_peft_dir, tmp_path):
   assert not os.path.exists(tmp_path / "hf")
 
 
+@pytest.mark.slow
 def test_scanned_model_with_adapter(bases, t5_peft_dir, tmp_path):
   """A scanned model runs an adapter that treats every layer alike as the unscanned one
   does; one whose layers differ is refused (a scan holds one update per stack)."""
@@ -317,6 +318,7 @@ def test_scanned_model_with_adapter(bases, t5_peft_dir, tmp_path):
     t5forge.load(hf_dir, adapter=uneven, scan_layers=True)
 
 
+@pytest.mark.slow
 def test_scanned_model_writes_the_adapter_it_runs(bases, tmp_path):
   """A scanned model matches every layer as layer 0: a pattern on another layer does not
   apply there, and the adapter it writes says so (peft runs what the scan ran)."""

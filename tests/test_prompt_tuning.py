@@ -68,6 +68,7 @@ def peft_dir(base, tmp_path_factory):
   return out, peft_model
 
 
+@pytest.mark.slow
 def test_a_peft_prompt_gives_peft_logits_and_greedy_tokens(base, peft_dir):
   _, ours = base
   out, peft_model = peft_dir
@@ -142,6 +143,7 @@ def test_padding_does_not_change_a_rows_logits(base):
 
 
 @pytest.mark.parametrize("family", ["t5gemma.tiny", "t5gemma2.tiny"])
+@pytest.mark.slow
 def test_the_prompt_is_scaled_as_the_token_embeddings_in_t5gemma(family):
   """T5Gemma's sqrt(e) embedding scale applies to the prompt too: a prompt equal to some
   tokens' embedding rows encodes exactly as those tokens do."""
@@ -161,6 +163,7 @@ def test_the_prompt_is_scaled_as_the_token_embeddings_in_t5gemma(family):
   np.testing.assert_allclose(with_prompt, spelled, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_initializations(base, tmp_path):
   _, ours = base
   table = prompt_lib.embedding_table(ours.params)
@@ -366,6 +369,7 @@ def test_peft_prompts_on_t5gemma_both_ways(family, tmp_path):
                              _peft_logits(back, enc, dec), **TOL)
 
 
+@pytest.mark.slow
 def test_the_adapter_api_and_cli_take_prompts_both_formats(base, peft_dir, tmp_path):
   """t5forge.load(base, adapter=peft PROMPT_TUNING dir) gives peft's logits; save_adapter
   writes it as ours and as peft's; `convert --adapter` converts it and refuses --merge."""

@@ -129,6 +129,7 @@ def _serve(*args):
                         capture_output=True, text=True, timeout=180)
 
 
+@pytest.mark.slow
 def test_bad_startup_settings_are_one_line(tmp_path):
   path = _file(tmp_path, "alice:sk-secret-1\n\nbob=sk-secret-2\n")
   line = error_line(_serve("--api_key_file", path))
