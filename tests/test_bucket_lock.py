@@ -89,7 +89,9 @@ def _acquire_once_stale(url, timeout=60):
 
 def test_a_stale_lock_is_taken_over_with_a_note_naming_its_holder(bucket_env, monkeypatch):
   emu, bucket = bucket_env
-  monkeypatch.setenv(run_lock.TIMEOUT_ENV, "1.5")
+  # A timeout no loaded machine outlasts while the lock is fresh, then 1.5 s for the
+  # take-over (with 1.5 s throughout, a slow emulator made the fresh lock stale first).
+  monkeypatch.setenv(run_lock.TIMEOUT_ENV, "600")
   url = storage.join(bucket, "run")
   storage.write_bytes(storage.join(url, ".lock"), json.dumps(
       {"host": "another-host", "pid": 4242, "since": "2024-01-01 00:00:00 UTC",
@@ -98,6 +100,7 @@ def test_a_stale_lock_is_taken_over_with_a_note_naming_its_holder(bucket_env, mo
   with pytest.raises(UserError, match="in use by pid 4242 on host another-host since "
                      r"2024-01-01 00:00:00 UTC \(t5forge train\); wait for it"):
     run_lock.BucketLock(url).acquire()
+  monkeypatch.setenv(run_lock.TIMEOUT_ENV, "1.5")
   lock, note = _acquire_once_stale(url)
   assert note.startswith("note: took over the lock of pid 4242 on host another-host "
                          "(t5forge train since 2024-01-01 00:00:00 UTC), which has not renewed "
