@@ -193,12 +193,13 @@ def test_decoder_only_cached_generation_equals_recomputation():
     # The whole sequence again at every step, zero-padded to one length so that it compiles
     # once: with causal attention after the prompt the padding changes no earlier logit.
     logits_fn = jax.jit(model.logits)
+    width = 1 + max(map(len, prompts)) + 6  # BOS, the longest prompt, six new tokens
     for i, p in enumerate(prompts):
       seq = [0] + p
       for _ in range(6):
-        pre = np.zeros((1, 12), np.int32)
+        pre = np.zeros((1, width), np.int32)
         pre[0, :len(seq)] = seq
-        mask = np.zeros((1, 12), np.int32)
+        mask = np.zeros((1, width), np.int32)
         mask[0, :len(p) + 1] = 1
         logits = logits_fn(params, {"decoder_input_tokens": pre,
                                     "decoder_causal_attention": mask})
