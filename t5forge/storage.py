@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from t5forge.errors import UserError
+from t5forge.errors import Unavailable, UserError
 
 # scheme -> (fsspec package, extra that installs it)
 _CLIENTS = {"gs": ("gcsfs", "gcs"), "s3": ("s3fs", "s3")}
@@ -54,6 +54,10 @@ _KNOWN_OTHER = ("hdfs", "az", "abfs", "abfss", "adl", "http", "https", "ftp", "s
 
 class StorageError(UserError):
   """A bucket operation that failed for a reason a user can act on (one line)."""
+
+
+class StorageUnavailable(StorageError, Unavailable):
+  """A bucket operation that failed on the network through every try (exit status 75)."""
 
 
 def scheme(path: str) -> str:
@@ -254,7 +258,9 @@ def _retries() -> int:
     raise UserError("T5FORGE_STORAGE_RETRIES: expected a whole number of tries, e.g. 4")
 
 
-def _is_transient(e: BaseException) -> bool:
+def is_transient(e: BaseException) -> bool:
+  """Whether `e`, raised by a bucket client, is worth a retry (network, time-out, 408,
+  429, 5xx)."""
   if isinstance(e, (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError,
                     NotADirectoryError, UserError)):
     return False
@@ -324,12 +330,12 @@ def call(url: str, op: str, fn: Callable[[], Any]) -> Any:
     except UserError:
       raise
     except Exception as e:  # classified below, re-raised when not ours
-      if _is_transient(e) and attempt + 1 < tries:
+      if is_transient(e) and attempt + 1 < tries:
         time.sleep(delay)
         delay = min(delay * 2, 8.0)
         continue
-      if _is_transient(e):
-        raise StorageError(f"{url}: {op} failed after {tries} tries ({_describe_error(e)}); "
+      if is_transient(e):
+        raise StorageUnavailable(f"{url}: {op} failed after {tries} tries ({_describe_error(e)}); "
                            "check the network, or the endpoint in "
                            f"{'STORAGE_EMULATOR_HOST' if split(url)[0] == 'gs' else 'AWS_ENDPOINT_URL'}"
                            ) from None

@@ -158,7 +158,8 @@ def test_infer_survives_the_bucket_going_away_and_resumes(tmp_path, ckpt):
         if proc.poll() is None:
           proc.kill()
       errors = [line for line in stderr.splitlines() if line.startswith("t5forge: error:")]
-      assert proc.returncode == 2 and len(errors) == 1, stderr[-3000:]
+      # 75 (EX_TEMPFAIL): the outage may pass; the same command resumes (below)
+      assert proc.returncode == 75 and len(errors) == 1, stderr[-3000:]
       assert f"{out}/many-3.jsonl-000" in errors[0] and "failed after 2 tries" in errors[0], (
           errors)  # names the chunk (or its marker) it was writing or reading
       assert "STORAGE_EMULATOR_HOST" in errors[0], errors

@@ -43,7 +43,7 @@ import os
 
 from t5forge import files as t5files
 from t5forge import storage
-from t5forge.errors import UserError
+from t5forge.errors import Unavailable, UserError
 
 MANIFEST = "t5forge_manifest.json"
 OBJECT = "object"  # the "hash" of a bucket manifest: the listing's md5 / generation
@@ -295,7 +295,56 @@ def _verify_files(directory: str, *, shown: str) -> str | None:
   return None
 
 
-def unreadable(directory: str, error: BaseException) -> CheckpointDamaged:
-  """One line for an error Orbax raised while reading directory."""
+# absl status codes that mean "try again" (gRPC's retry guidance). XLA's JaxRuntimeError
+# and TensorStore's errors (a plain ValueError) carry no code attribute: their message
+# opens with the code, "UNAVAILABLE: ..." — a field of the message, not its prose.
+_RETRY_CODES = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "ABORTED"})
+
+
+def is_passing(error: BaseException) -> bool:
+  """Whether `error` (or an error it was raised from) is one that may pass by itself: the
+  network or a bucket (`storage.is_transient`), a time-out, or memory (host or device)."""
+  seen: set[int] = set()
+  e: BaseException | None = error
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    if isinstance(e, (MemoryError, ConnectionError, TimeoutError)) or storage.is_transient(e):
+      return True
+    if str(e).lstrip().split(":", 1)[0] in _RETRY_CODES:
+      return True
+    e = e.__cause__ or e.__context__
+  return False
+
+
+class CheckpointUnavailable(Unavailable):
+  """A checkpoint that could not be read although nothing shows it damaged: the error may
+  pass (network, time-out, memory), or its files match its manifest. Nothing is set aside;
+  the run stops with exit status 75 and a rerun reads it.
+
+  Attributes:
+    path: the checkpoint directory.
+  """
+
+  def __init__(self, path: str, error: BaseException, *, verified: bool, tries: int = 1):
+    first = " ".join((str(error).strip().splitlines() or [""])[0].split())[:200]
+    why = ("its files match its manifest, so it is not damaged" if verified
+           else "the error may pass")
+    super().__init__(f"{path}: could not be read ({type(error).__name__}: {first}) "
+                     f"after {tries} {'try' if tries == 1 else 'tries'}; {why} and nothing "
+                     "was set aside: rerun once the cause is gone (network, bucket, memory)")
+    self.path = path
+
+
+def read_failure(directory: str, error: BaseException, *, verified: bool,
+                 tries: int = 1) -> UserError:
+  """What an error Orbax raised while reading `directory` tells of it. Damage
+  (CheckpointDamaged: a resume sets it aside) only when nothing verified its files and the
+  error cannot pass by itself; else CheckpointUnavailable (nothing set aside).
+
+  Args:
+    verified: `verify(directory)` found every file as committed.
+  """
+  if verified or is_passing(error):
+    return CheckpointUnavailable(directory, error, verified=verified, tries=tries)
   first = (str(error).strip().splitlines() or [""])[0][:200]
   return CheckpointDamaged(directory, f"Orbax could not read it ({type(error).__name__}: {first})")

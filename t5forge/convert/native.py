@@ -209,8 +209,8 @@ def read_header(path: str) -> tuple[ModelConfig, dict]:
     print(f"note: {note}", file=sys.stderr)
   try:
     meta = read_config(path)
-  except Exception as e:  # noqa: BLE001 # damage Orbax meets, in any form
-    raise manifest.unreadable(path, e) from None
+  except Exception as e:  # noqa: BLE001 # damage or a passing fault, in any form
+    raise manifest.read_failure(path, e, verified=note is None) from None
   return ModelConfig.from_dict(meta["model"], source=storage.join(path, CONFIG)), meta
 
 
@@ -228,6 +228,7 @@ def restore_params(path: str, abstract_params) -> dict:
   Raises:
     UserError: the stored parameters differ in name or shape from `abstract_params`.
     manifest.CheckpointDamaged: Orbax cannot read them.
+    manifest.CheckpointUnavailable: reading failed in a way that may pass (network, memory).
   """
   import orbax.checkpoint as ocp  # noqa: PLC0415 (slow import, on first use)
   # Compared before restoring: Orbax restores a stored array into a target of another
@@ -242,7 +243,8 @@ def restore_params(path: str, abstract_params) -> dict:
         absolute(path), ocp.args.Composite(**{
             PARAMS: ocp.args.StandardRestore(abstract_params)}))
   except Exception as e:  # noqa: BLE001 # Orbax raises many kinds
-    raise manifest.unreadable(path, e) from None
+    # read_header verified the files (or said they could not be): damage is what may not pass
+    raise manifest.read_failure(path, e, verified=False) from None
   return restored[PARAMS]
 
 

@@ -10,7 +10,10 @@ the best `keep_best` by a metric when one is named.
 Restore order (loop's `_restore_or_init`): the newest intact checkpoint in MODEL_DIR (full
 state, data iterator; `Checkpointer.restore_latest`: a damaged one is named in one line,
 renamed aside to `checkpoint_<step>.damaged-<time>` and the next older one tried; with
-none intact the run refuses), else INITIAL_CHECKPOINT_PATH (parameters and step from a t5forge,
+none intact the run refuses. Damage is what is verified: files that differ from the
+manifest, or a checkpoint without one that Orbax cannot read for a reason that cannot
+pass. A read that fails on the network, a time-out or memory is retried, then stops the
+run in one line with exit status 75 and nothing set aside), else INITIAL_CHECKPOINT_PATH (parameters and step from a t5forge,
 HF or T5X checkpoint, renamed or dropped by a regex assignment map, missing ones
 initialised fresh if allowed, cast to the model's dtype), else a fresh init.
 
@@ -51,6 +54,10 @@ from t5forge.train.settings import RestoreCheckpointConfig, SaveCheckpointConfig
 
 OPT_STATE = "opt_state"
 DATA_ITER = "data_iter"
+# A restore that fails in a way that may pass is tried this often (1 s, then 2 s apart):
+# time for a network blip or a bucket's 503 to clear, not for an outage (which stops the
+# run with exit status 75, for its supervisor to restart).
+RESTORE_TRIES = 3
 
 
 def _flatten(tree: Any) -> dict[str, Any]:
@@ -305,32 +312,46 @@ class Checkpointer:
               ) -> tuple[Any, Any, dict]:
     """-> (params, opt_state, data item) of checkpoint_<step>, placed as abstract_state.
 
+    A read that fails in a way that may pass (network, time-out, memory) is tried again
+    after 1 s, then 2 s (`RESTORE_TRIES` in all).
+
     Raises:
       manifest.CheckpointDamaged: its files differ from its manifest, or Orbax cannot
-        read them.
+        read a checkpoint that has none and the error cannot pass by itself.
+      manifest.CheckpointUnavailable: the reads failed every try, or Orbax cannot read
+        files that match their manifest; nothing shows damage (nothing is set aside).
       UserError: it was written for another model.
     """
     path = self.step_dir(step)
     note = manifest.verify(path)
-    try:
-      self.check_compatible(step, abstract_state.params)
-      args = ocp.args.Composite(**{
-          native.PARAMS: ocp.args.StandardRestore(abstract_state.params),
-          OPT_STATE: ocp.args.StandardRestore(abstract_state.opt_state),
-          DATA_ITER: ocp.args.JsonRestore(),
-      })
-      if self.scheme == "s3":  # verified above on this same local copy
-        restored = ocp.Checkpointer(ocp.CompositeCheckpointHandler(**self._item_handlers())
-                                    ).restore(storage.local_copy(path), args)
-      else:
-        restored = self._mngr.restore(step, args=args)
-    except UserError:
-      raise
-    except Exception as e:  # noqa: BLE001 # damage Orbax meets, in any form
-      raise manifest.unreadable(path, e) from None
+    for tries in range(1, RESTORE_TRIES + 1):
+      try:
+        restored = self._read(step, path, abstract_state)
+        break
+      except UserError:
+        raise
+      except Exception as e:  # noqa: BLE001 # damage or a passing fault, in any form
+        failure = manifest.read_failure(path, e, verified=note is None, tries=tries)
+        if tries == RESTORE_TRIES or not manifest.is_passing(e):
+          raise failure from None
+        log(f"note: reading {path} failed ({type(e).__name__}); trying again in "
+            f"{2 ** (tries - 1)} s")
+        time.sleep(2 ** (tries - 1))
     if note:
       log(f"note: {note}")
     return restored[native.PARAMS], restored[OPT_STATE], restored[DATA_ITER]
+
+  def _read(self, step: int, path: str, abstract_state) -> dict:
+    self.check_compatible(step, abstract_state.params)
+    args = ocp.args.Composite(**{
+        native.PARAMS: ocp.args.StandardRestore(abstract_state.params),
+        OPT_STATE: ocp.args.StandardRestore(abstract_state.opt_state),
+        DATA_ITER: ocp.args.JsonRestore(),
+    })
+    if self.scheme == "s3":  # verified by `restore` on this same local copy
+      return ocp.Checkpointer(ocp.CompositeCheckpointHandler(**self._item_handlers())
+                              ).restore(storage.local_copy(path), args)
+    return self._mngr.restore(step, args=args)
 
   def restore_latest(self, abstract_state, *, log: Callable[[str], None] = print
                      ) -> tuple[int, tuple[Any, Any, dict]] | None:
