@@ -197,18 +197,31 @@ class Model:
       arr[i, :len(r)] = r
     return arr, truncated
 
-  def _engine(self, num_slots: int, decode_length: int, input_length: int):
-    """The engine for these sizes, kept for the next call (`decode(params=...)` takes
-    the parameters a `train_step` or an assignment left)."""
-    key = (num_slots, decode_length, input_length)
-    if self._offline is None or self._offline[0] != key:
-      if self._offline is not None:
-        self._offline[1].close()
-      dec = offline.OfflineDecoder(self.model, self.params, num_slots=num_slots,
-                                   decode_length=decode_length, input_length=input_length,
-                                   partitioner=self.partitioner)
-      self._offline = (key, dec)
-    return self._offline[1]
+  def _engine(self, num_slots: int, decode_length: int, width: int):
+    """The engine for inputs up to `width` tokens, kept for the next call
+    (`decode(params=...)` takes the parameters a `train_step` or an assignment left).
+
+    One engine at a time, reused by every call whose inputs fit it: its smaller encoder
+    buckets (`offline.input_buckets`) serve shorter inputs with the shapes it compiled. A
+    longer input replaces it with one at the next power of two (never narrower than the
+    one it replaces), so a loop over texts of mixed lengths builds at most
+    log2(longest / 32) + 1 engines in all, instead of one per call whose longest text
+    changes its 32-token bucket.
+    """
+    if self._offline is not None:
+      (slots, length, widest), dec = self._offline
+      if (slots, length) == (num_slots, decode_length) and widest >= width:
+        return dec
+      dec.close()
+      self._offline = None
+      if (slots, length) == (num_slots, decode_length):
+        width = max(width, widest)
+    widest = max(_LENGTH_BUCKET, 1 << (width - 1).bit_length())
+    dec = offline.OfflineDecoder(self.model, self.params, num_slots=num_slots,
+                                 decode_length=decode_length, input_length=widest,
+                                 partitioner=self.partitioner)
+    self._offline = ((num_slots, decode_length, widest), dec)
+    return dec
 
   def generate(self, texts, *, max_decode_length: int = 64, batch_size: int = 32,
                max_input_length: int | None = 512, **decoding) -> list:
@@ -237,10 +250,7 @@ class Model:
     if offline.supports(self.model, opts) and len(texts):
       # Every text feeds the engine's batch_size slots as they free up.
       rows, cut = self._token_rows(texts, max_input_length)
-      # The slots hold the encoder's keys/values at the largest bucket: no wider than
-      # the longest text needs.
-      width = -(-max(len(r) for r in rows) // _LENGTH_BUCKET) * _LENGTH_BUCKET
-      engine = self._engine(batch_size, max_decode_length, width)
+      engine = self._engine(batch_size, max_decode_length, max(len(r) for r in rows))
       tokens, _ = engine.decode(rows, opts, params=self.params)
       chunks = [tokens]
     else:

@@ -114,6 +114,29 @@ def test_generate_follows_new_parameters_without_recompiling(model):
 
 
 @pytest.mark.slow
+def test_generate_over_mixed_lengths_reuses_one_engine_without_recompiling(model):
+  """A notebook loop over texts of mixed lengths: once an engine fits the longest input,
+  shorter ones run on its smaller encoder buckets. (It was keyed on the longest input
+  rounded to 32 tokens: every call whose longest text changed bucket built a new engine
+  and compiled again.)"""
+  from t5forge.engine import compile_count
+  rng = np.random.default_rng(7)
+  text = lambda n: rng.integers(5, 250, n).tolist()
+  short, middle, long_ = [text(10)], [text(45), text(20)], [text(100)]
+  want = {}
+  for name, texts in (("long", long_), ("short", short), ("middle", middle)):
+    arr, _ = model._encode_texts(texts, 512)
+    tokens, _ = model.predict(arr, 16)  # the static path
+    want[name] = [model.vocabulary.decode(text_ids(t, model.model.stop_ids))
+                  for t in tokens.tolist()]
+    assert model.generate(texts, batch_size=4, max_decode_length=16) == want[name]
+  engine, compiles = model._offline[1], compile_count()
+  for name, texts in (("short", short), ("middle", middle), ("long", long_), ("short", short)):
+    assert model.generate(texts, batch_size=4, max_decode_length=16) == want[name]
+  assert model._offline[1] is engine and compile_count() == compiles
+
+
+@pytest.mark.slow
 def test_predict_and_score_take_new_parameters_without_recompiling(model):
   """`Model.predict` / `score` pass the current parameters to the one Generator per call:
   new parameters give what a Generator built for them gives, and going back to the first
