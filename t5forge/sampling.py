@@ -46,7 +46,7 @@ def filter_rows(logits: jax.Array, topk: jax.Array, topp: jax.Array) -> jax.Arra
   by_k = jnp.where(sorted_logits >= k_cut, sorted_logits, -jnp.inf)
   p_cut = jnp.where(((topp > 0) & (topp < 1))[:, None],
                     _topp_cutoff(by_k, topp[:, None]), -jnp.inf)
-  # max: should rounding let top-p reach a dropped token, its cut-off is -inf, not k's.
+  # max: if rounding leaves the kept mass short of topp, p's cut-off is -inf; k's holds.
   return jnp.where(logits >= jnp.maximum(k_cut, p_cut), logits, -jnp.inf)
 
 
