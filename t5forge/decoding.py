@@ -1,5 +1,6 @@
 """Decoding over a logits function and a KV cache: greedy, temperature / top-k / top-p
-sampling, and beam search, with T5X's semantics (`t5x/decoding.py`).
+sampling, and beam search, with T5X's semantics (`t5x/decoding.py`), except that top-k
+and top-p may both apply, in transformers' order (`t5forge.sampling`).
 
 Every decode function has one contract:
 
@@ -50,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from t5forge import sampling
 from t5forge.errors import UserError
 
 PyTree = Any
@@ -216,9 +218,6 @@ def _check_sampling_options(temperature, topk, topp, max_decode_steps, length: i
   p = _static(topp)
   if p is not None and np.any((p < 0) | (p > 1)):
     raise UserError(f"topp={topp} must be in [0, 1]; use 0 to disable nucleus sampling")
-  if topk > 0 and p is not None and np.any(p > 0):
-    raise UserError(f"topk={topk} and topp={topp} are both set; as in T5X use one of them: "
-                    "set topk=0 or topp=0")
   _check_max_decode_steps(max_decode_steps, length)
 
 
@@ -256,46 +255,6 @@ def _step_limit(prompt: jax.Array, index0: jax.Array, max_decode_steps, batch: i
 # ------------------------------------------------------------------------------------
 
 
-def _topk_mask(logits: jax.Array, k: int) -> jax.Array:
-  """Keeps the k largest logits per row (and ties with the k-th, as T5X); [f, v]."""
-  kth = lax.top_k(logits, k)[0][:, -1:]  # [f, 1]; O(v log k), no full sort
-  return jnp.where(logits >= kth, logits, -jnp.inf)
-
-
-def _topp_mask(logits: jax.Array, topp: jax.Array) -> jax.Array:
-  """Keeps the smallest set of top tokens whose probability is >= topp; [f, v].
-
-  The top token is always kept (so topp -> 0 is greedy), and ties with the last kept
-  token are kept, as T5X's binary search does. topp outside (0, 1) keeps everything.
-  """
-  # One sort per step: [f, v] descending.
-  sorted_logits = jnp.flip(jnp.sort(logits, axis=-1), axis=-1)
-  masked = jnp.where(logits >= _topp_cutoff(sorted_logits, topp), logits, -jnp.inf)
-  return jnp.where((topp > 0) & (topp < 1), masked, logits)
-
-
-def _topp_cutoff(sorted_logits: jax.Array, topp: jax.Array) -> jax.Array:
-  """The smallest logit top-p keeps: [f, v] sorted descending, topp [f, 1] -> [f, 1]."""
-  probs = jax.nn.softmax(sorted_logits, axis=-1)
-  mass_before = jnp.cumsum(probs, axis=-1) - probs
-  # A token is needed while the mass of the tokens above it is still short of topp.
-  keep = (mass_before < topp) | (jnp.arange(sorted_logits.shape[-1]) == 0)
-  return jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
-
-
-def filter_rows(logits: jax.Array, topk: jax.Array, topp: jax.Array) -> jax.Array:
-  """Per-row top-k and top-p (both may apply) with one sort: logits [f, v], topk [f]
-  int (0: off; ties with the k-th kept, as `_topk_mask`), topp [f] float (outside
-  (0, 1): off; as `_topp_mask`) -> [f, v] with the dropped tokens at -inf."""
-  v = logits.shape[-1]
-  sorted_logits = jnp.flip(jnp.sort(logits, axis=-1), axis=-1)
-  kth = jnp.take_along_axis(sorted_logits, jnp.clip(topk - 1, 0, v - 1)[:, None], axis=-1)
-  k_cut = jnp.where(topk[:, None] > 0, kth, -jnp.inf)
-  p_cut = jnp.where(((topp > 0) & (topp < 1))[:, None],
-                    _topp_cutoff(sorted_logits, topp[:, None]), -jnp.inf)
-  return jnp.where(logits >= jnp.maximum(k_cut, p_cut), logits, -jnp.inf)
-
-
 def _token_log_prob(logits: jax.Array, token: jax.Array) -> jax.Array:
   """log_softmax(logits)[token] per row: [f, v], [f] -> [f]."""
   return jnp.take_along_axis(jax.nn.log_softmax(logits), token[:, None], axis=-1)[:, 0]
@@ -309,12 +268,7 @@ def _greedy(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
 def _sample(logits, key, temperature, topk: int, topp, use_topp: bool,
             rescale_log_probs: bool) -> tuple[jax.Array, jax.Array]:
   scaled = logits / _col(jnp.maximum(temperature, MIN_TEMPERATURE))
-  if 0 < topk < logits.shape[-1]:
-    scaled = _topk_mask(scaled, topk)
-  if use_topp:
-    # Skip the sort when no row uses top-p (0 and 1 keep every token anyway).
-    scaled = lax.cond(jnp.any((topp > 0) & (topp < 1)),
-                      lambda: _topp_mask(scaled, _col(topp)), lambda: scaled)
+  scaled = sampling.filter_static(scaled, topk, topp, use_topp)
   token = jax.random.categorical(key, scaled).astype(jnp.int32)
   return token, _token_log_prob(scaled if rescale_log_probs else logits, token)
 
@@ -519,10 +473,10 @@ def temperature_sample(inputs: jax.Array, cache: PyTree, tokens_to_logits: Token
     num_decodes: static; independent samples per example.
     temperature: scalar or [b] (traceable). <= 1e-4 is greedy (argmax); a Python 0
       compiles a greedy-only loop.
-    topk: static; if > 0 sample among the topk largest logits (ties included). With
-      a concrete non-zero topp it is a UserError; with a traced topp both apply.
+    topk: static; if > 0 sample among the topk largest logits (ties included).
     topp: scalar or [b] (traceable); if in (0, 1) sample from the smallest set of top
-      tokens with probability >= topp (one sort per step while any row does so).
+      tokens with probability >= topp, renormalised over what top-k kept (the order of
+      transformers and vLLM; T5X refuses both); one sort per step while a row uses it.
     initial_index: optional [b] int32 position of the last token already in the cache
       (a prefilled decoder-only prompt): decoding feeds `inputs[e, initial_index[e]]`
       first and writes from the next position; positions up to it are kept.

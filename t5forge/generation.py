@@ -58,7 +58,7 @@ class Kind:
   Attributes:
     method: 'greedy' | 'sample' | 'beam'.
     num_decodes: n samples, or beams.
-    topk: sample among the topk most likely tokens (0: off; excludes top-p).
+    topk: sample among the topk most likely tokens (0: off; top-p then applies to them).
     top_logprobs: 0..5: also return the k most likely tokens + log-probs per position.
   """
   method: str = "greedy"
@@ -211,7 +211,7 @@ class Generator:
       with lora.row_adapters(adapters):
         state = decoding.sample_advance(
             state, model.decode_step(params, cache_length), eos_id=eos, topk=kind.topk,
-            greedy_only=greedy, use_topp=not greedy and kind.topk == 0, steps=steps)
+            greedy_only=greedy, use_topp=not greedy, steps=steps)
       decodes, scores, aux = decoding.sample_result(state, n)
       window = slice(offset, offset + length)  # new token j is decodes[offset + j]
       view = {"tokens": decodes[:, :, window], "scores": scores,
@@ -287,7 +287,7 @@ class Generator:
       decode_length: static output length l (a bucket).
       max_new_tokens: [b] int in 1..l, new tokens per row (later positions are 0).
       temperature: [b] float >= 0 (method 'sample'; rows <= 1e-4 decode greedily).
-      topp: [b] float in [0, 1] (method 'sample' with topk 0; 0 or 1: off).
+      topp: [b] float in [0, 1] (method 'sample'; 0 or 1: off), over what topk kept.
       alpha: beam search's brevity-penalty exponent.
       min_log_prob: beam search only: None, or [b] float (or one for all rows): stop a
         row once its best live beam's log-prob falls below it (T5X); -inf never stops.
@@ -326,8 +326,6 @@ class Generator:
       raise UserError(f"temperature must be finite and >= 0, got {temperature.tolist()}")
     if np.any(~(topp >= 0) | (topp > 1)):
       raise UserError(f"topp must be in [0, 1], got {topp.tolist()}")
-    if kind.topk and np.any((topp > 0) & (topp < 1)):
-      raise UserError(f"topk={kind.topk} and topp {topp.tolist()} are both set; use one")
 
     if min_log_prob is not None and kind.method != "beam":
       raise UserError(f"min_log_prob applies to beam search only, not method {kind.method!r}")

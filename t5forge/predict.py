@@ -74,7 +74,7 @@ class DecodeOptions:
   Attributes:
     method: 'greedy' (temperature 0), 'sample' (temperature / top-k / top-p) or 'beam'.
     num_decodes: samples or beams per example.
-    temperature, topk, topp: sampling options (topk and topp exclude each other).
+    temperature, topk, topp: sampling options (topp applies to what topk kept).
     alpha: beam search brevity-penalty exponent, T5X's ((5 + length) / 6) ** alpha.
     max_decode_steps: decode at most this many new tokens (after the prompt of a
       decoder-only model); the rest of the output is 0. Default: the output length.
@@ -103,8 +103,6 @@ class DecodeOptions:
     if self.num_decodes < 1:
       raise UserError(f"num_decodes (beam size / samples) must be >= 1, got {self.num_decodes}")
     if self.method == "sample":
-      if self.topk and self.topp:
-        raise UserError("topk and topp exclude each other; set one of them (topk=0 or topp=0)")
       if self.temperature < 0:
         raise UserError(f"temperature must be >= 0, got {self.temperature}")
       if self.topk < 0 or not 0.0 <= self.topp <= 1.0:

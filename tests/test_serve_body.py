@@ -39,6 +39,14 @@ def test_usable_bodies_pass():
   assert api.prompt_list([5, 6]) == [[5, 6]] and api.prompt_param([5, 6], 0) == "prompt"
 
 
+def test_top_k_with_top_p_passes():
+  # OpenAI-style clients and vLLM send both; top-p then applies to top-k's tokens.
+  req = api.parse(api.CompletionRequest, b'{"prompt": "x", "top_k": 40, "top_p": 0.9}',
+                  "application/json")
+  api.check_completion(req, api.Limits())
+  assert (req.top_k, req.top_p) == (40, 0.9)
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"ignore_eos": True}, "ignore_eos"), ({"min_tokens": 2}, "min_tokens"),
     ({"stream": True, "logprobs": 1}, "logprobs")])

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from t5forge import decoding, multihost
+from t5forge import decoding, multihost, sampling
 from t5forge.errors import UserError
 from t5forge.nn import lora
 from t5forge.sharding import Partitioner
@@ -106,14 +106,15 @@ def sample_tokens(logits: jax.Array, lp: jax.Array, key: jax.Array, position: ja
 
   Greedy rows (temperature <= 1e-4) take the argmax, scored by the model's log-softmax.
   Sampled rows divide by the temperature, keep their top_k tokens (ties with the k-th
-  kept, as T5X) and the smallest set whose mass is >= top_p (the top token always), and
-  draw with `fold_in(key, position)`; they are scored under the distribution drawn from.
+  kept), then the smallest set whose mass among those is >= top_p (the top token
+  always; transformers' and vLLM's order, `t5forge.sampling`), and draw with
+  `fold_in(key, position)`; they are scored under the distribution drawn from.
   One sort per call, only when some running row filters.
   """
   greedy = temperature <= decoding.MIN_TEMPERATURE
   scaled = logits / jnp.maximum(temperature, decoding.MIN_TEMPERATURE)[:, None]
   needed = jnp.any(running & ~greedy & ((top_k > 0) | ((top_p > 0) & (top_p < 1))))
-  scaled = lax.cond(needed, lambda: decoding.filter_rows(scaled, top_k, top_p), lambda: scaled)
+  scaled = lax.cond(needed, lambda: sampling.filter_rows(scaled, top_k, top_p), lambda: scaled)
   best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   pick = lambda x, t: jnp.take_along_axis(x, t[:, None], axis=-1)[:, 0]
 

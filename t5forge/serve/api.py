@@ -230,8 +230,6 @@ def check_completion(req: CompletionRequest, limits: Limits) -> None:
                "num_beams completions", "n")
   if req.top_k < 0 or req.top_k > limits.max_top_k:
     raise _bad(f"top_k must be in [0, {limits.max_top_k}], got {req.top_k}", "top_k")
-  if req.top_k and req.top_p < 1:
-    raise _bad("top_k and top_p exclude each other (as in T5X): set top_k=0 or top_p=1", "top_k")
   if req.logprobs is not None:
     if not 0 <= req.logprobs <= 5:
       raise _bad(f"logprobs must be in [0, 5], got {req.logprobs}", "logprobs")
