@@ -45,6 +45,13 @@ def test_top_k_with_top_p_passes():
                   "application/json")
   api.check_completion(req, api.Limits())
   assert (req.top_k, req.top_p) == (40, 0.9)
+  # vLLM's "off" is -1 (its clients send it by default); below that is refused.
+  req = api.parse(api.CompletionRequest, b'{"prompt": "x", "top_k": -1}', "application/json")
+  api.check_completion(req, api.Limits())
+  assert req.top_k == 0
+  req = api.parse(api.CompletionRequest, b'{"prompt": "x", "top_k": -2}', "application/json")
+  with pytest.raises(api.ApiError, match=r"top_k must be in \[0, 1000\] \(0 or -1: off\)"):
+    api.check_completion(req, api.Limits())
 
 
 @pytest.mark.parametrize("extra, param", [

@@ -101,6 +101,12 @@ class CompletionRequest(pydantic.BaseModel):
     # strict mode refuses 1 for a float field; JSON clients send 1 for 1.0.
     return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
 
+  @pydantic.field_validator("top_k", mode="after")
+  @classmethod
+  def _minus_one_is_off(cls, v):
+    # vLLM's (and its clients') "off" is -1; ours is 0.
+    return 0 if v == -1 else v
+
 
 class ScoreRequest(pydantic.BaseModel):
   """`/v1/score` (extension, T5X's score mode): the summed log-likelihood of each target
@@ -229,7 +235,8 @@ def check_completion(req: CompletionRequest, limits: Limits) -> None:
     raise _bad(f"n={req.n} is more than num_beams={req.num_beams}: beam search returns at most "
                "num_beams completions", "n")
   if req.top_k < 0 or req.top_k > limits.max_top_k:
-    raise _bad(f"top_k must be in [0, {limits.max_top_k}], got {req.top_k}", "top_k")
+    raise _bad(f"top_k must be in [0, {limits.max_top_k}] (0 or -1: off), got {req.top_k}",
+               "top_k")
   if req.logprobs is not None:
     if not 0 <= req.logprobs <= 5:
       raise _bad(f"logprobs must be in [0, 5], got {req.logprobs}", "logprobs")
