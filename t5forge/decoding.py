@@ -212,7 +212,11 @@ def _check_sampling_options(temperature, topk, topp, max_decode_steps, length: i
   if t is not None and np.any(t < 0):
     raise UserError(f"temperature={temperature} is negative; use 0 for greedy decoding or a "
                     "positive value to sample")
-  if isinstance(topk, bool) or not isinstance(topk, (int, np.integer)) or topk < 0:
+  if isinstance(topk, (jax.Array, np.ndarray)):  # per row, traced (sample_init's rows)
+    k = _static(topk)
+    if k is not None and np.any(k < 0):
+      raise UserError(f"topk={k.tolist()} must be >= 0; use 0 to disable top-k")
+  elif isinstance(topk, bool) or not isinstance(topk, (int, np.integer)) or topk < 0:
     raise UserError(f"topk={topk!r} must be a non-negative Python integer (it fixes a shape); "
                     "use 0 to disable top-k")
   p = _static(topp)
@@ -265,10 +269,19 @@ def _greedy(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
   return token, _token_log_prob(logits, token)
 
 
-def _sample(logits, key, temperature, topk: int, topp, use_topp: bool,
+def _sample(logits, key, temperature, topk, topp, use_topp: bool,
             rescale_log_probs: bool) -> tuple[jax.Array, jax.Array]:
+  """topk: a static int, or a traced [] / [f] int32 (per row, no compile per value)."""
   scaled = logits / _col(jnp.maximum(temperature, MIN_TEMPERATURE))
-  scaled = sampling.filter_static(scaled, topk, topp, use_topp)
+  if isinstance(topk, jax.Array):
+    f = scaled.shape[0]
+    k_rows, p_rows = jnp.broadcast_to(topk, (f,)), jnp.broadcast_to(topp, (f,))
+    # The sort runs only while some row filters.
+    needed = jnp.any((k_rows > 0) | ((p_rows > 0) & (p_rows < 1)))
+    scaled = lax.cond(needed, lambda: sampling.filter_rows(scaled, k_rows, p_rows),
+                      lambda: scaled)
+  else:
+    scaled = sampling.filter_static(scaled, topk, topp, use_topp)
   token = jax.random.categorical(key, scaled).astype(jnp.int32)
   return token, _token_log_prob(scaled if rescale_log_probs else logits, token)
 
@@ -289,6 +302,7 @@ class SampleLoop(NamedTuple):
   limit: jax.Array  # [f] int32 rows write positions < limit
   temperature: jax.Array  # [] or [f] float32
   topp: jax.Array  # [] or [f] float32
+  topk: jax.Array  # [] or [f] int32: per-row top-k (sample_advance's topk=None reads it)
   rng: jax.Array  # PRNG key
   token_log_probs: jax.Array  # [f, l + 1] float32 log-prob of each generated token (else 0)
   top_ids: jax.Array  # [f, l + 1, k] int32 the k most likely tokens at each generated position
@@ -302,6 +316,9 @@ def sample_init(inputs: jax.Array, cache: PyTree, *, decode_rng: jax.Array | Non
   """The sampling loop before its first step (arguments as `temperature_sample`).
 
   Args:
+    topk: a static int (as `temperature_sample`), or an array [] / [b] of per-row values
+      kept in the state, read by `sample_advance(topk=None)`: one compiled function
+      serves every top-k.
     top_logprobs: static k >= 0; also record the k most likely tokens and their
       log-probs (the model's log-softmax) at every generated position.
 
@@ -337,6 +354,8 @@ def sample_init(inputs: jax.Array, cache: PyTree, *, decode_rng: jax.Array | Non
       ended=jnp.zeros((f,), bool), log_prob=jnp.zeros((f,), jnp.float32), start=start,
       limit=limit, temperature=_per_row(temperature, "temperature", b, n),
       topp=_per_row(topp, "topp", b, n),
+      topk=_per_row(topk if isinstance(topk, (jax.Array, np.ndarray)) else 0, "topk", b,
+                    n).astype(jnp.int32),
       rng=jax.random.PRNGKey(0) if decode_rng is None else decode_rng,
       token_log_probs=jnp.zeros((f, l + 1), jnp.float32),
       top_ids=jnp.zeros((f, l + 1, k), jnp.int32),
@@ -349,7 +368,7 @@ def sample_done(s: SampleLoop) -> jax.Array:
 
 
 def sample_advance(s: SampleLoop, tokens_to_logits: TokensToLogits, *, eos_id: int,
-                   topk: int = 0, greedy_only: bool = False, use_topp: bool = True,
+                   topk: int | None = 0, greedy_only: bool = False, use_topp: bool = True,
                    rescale_log_probs: bool = True, steps=None) -> SampleLoop:
   """Runs the loop until every row is done, or for at most `steps` more steps.
 
@@ -361,7 +380,8 @@ def sample_advance(s: SampleLoop, tokens_to_logits: TokensToLogits, *, eos_id: i
     s: the state from `sample_init` or an earlier call.
     tokens_to_logits: the model step; see `DecodingState`.
     eos_id: end-of-sequence id (traceable), or several (see `is_eos`).
-    topk, rescale_log_probs: static; as `temperature_sample`.
+    topk, rescale_log_probs: static; as `temperature_sample`. topk=None: each row's
+      from the state (`sample_init` given an array).
     greedy_only: static; decode argmax only (no sampling work per step).
     use_topp: static; False skips top-p's sort (when no row has topp in (0, 1)).
     steps: optional [] int32 bound on the steps of this call.
@@ -377,7 +397,8 @@ def sample_advance(s: SampleLoop, tokens_to_logits: TokensToLogits, *, eos_id: i
     if greedy_only:
       return _greedy(logits)
     key = jax.random.fold_in(rng, step)
-    sample = lambda: _sample(logits, key, temperature, topk, topp, use_topp, rescale_log_probs)
+    k = s.topk if topk is None else topk
+    sample = lambda: _sample(logits, key, temperature, k, topp, use_topp, rescale_log_probs)
     if temperature.ndim == 0:
       # Skip the sampling work (and top-p's sort) when the temperature is ~0.
       return lax.cond(temperature > MIN_TEMPERATURE, sample, lambda: _greedy(logits))

@@ -10,9 +10,9 @@ engine, `t5forge.engine`, is the continuous-batching path beside it).
     tokens, scores = g.predict(batch, DecodeOptions(method="beam", num_decodes=4))
     log_likelihoods = g.score_batch(batch)   # [b]
 
-What changes compiled code is the `Kind` (method, num_decodes, topk, top_logprobs) and
-the shapes (batch size, input length, decode length); everything per row (temperature,
-top-p, max_new_tokens) and the seed are traced arrays, so requests of one Kind and shape
+What changes compiled code in `generate` is the `Kind`'s method, num_decodes and
+top_logprobs and the shapes (batch size, input length, decode length); everything per row
+(temperature, top-k, top-p, max_new_tokens) and the seed are traced arrays, so requests of one Kind and shape
 share one compiled start function and one compiled advance function whatever their
 options. `predict` takes `predict.DecodeOptions` (validated once, when they are made):
 the options that change shapes or code (method, num_decodes, topk, output length)
@@ -53,7 +53,8 @@ ADAPTER_FEATURE = "adapter_ids"
 
 @dataclasses.dataclass(frozen=True)
 class Kind:
-  """What changes compiled code; requests of one Kind share batches.
+  """What a batch shares: requests of one Kind share batches. Its topk is traced in
+  `Generator.generate` (no compile per value); the rest is compiled.
 
   Attributes:
     method: 'greedy' | 'sample' | 'beam'.
@@ -185,24 +186,26 @@ class Generator:
   def _sample_fns(self, kind: Kind, length: int):
     """(start, advance) jitted for one Kind and decode length (shapes key jax's cache).
 
-    start(params, inputs [b, i], max_new [b], temperature [b], topp [b], rng, adapters
-      [b] | None) -> state
+    start(params, inputs [b, i], max_new [b], temperature [b], topp [b], topk [b], rng,
+      adapters [b] | None) -> state
     advance(params, state (donated), steps [], adapters [b] | None) -> (state, view dict,
       all_done [])
     """
-    key = ("sample", kind, length)
+    # top-k is a traced per-row value (as temperature and top-p): not in the key, so a
+    # client's top_k never compiles.
+    key = ("sample", dataclasses.replace(kind, topk=0), length)
     if key in self._fns:
       return self._fns[key]
     model, n, k = self.model, kind.num_decodes, kind.top_logprobs
     greedy = kind.method == "greedy"
     eos = self.stop_ids
 
-    def start(params, inputs, max_new, temperature, topp, rng, adapters):
+    def start(params, inputs, max_new, temperature, topp, topk, rng, adapters):
       with lora.row_adapters(adapters):
         setup = model.decode_setup(params, self._batch(inputs), length)
       return decoding.sample_init(
           setup.inputs, setup.cache, decode_rng=rng, num_decodes=n,
-          temperature=temperature, topk=kind.topk, topp=topp,
+          temperature=temperature, topk=topk, topp=topp,
           initial_index=setup.initial_index, max_decode_steps=max_new, top_logprobs=k)
 
     def advance(params, state, steps, adapters, input_length):
@@ -210,7 +213,7 @@ class Generator:
       # The adapters [b] are repeated to the n decodes of each row by the layers.
       with lora.row_adapters(adapters):
         state = decoding.sample_advance(
-            state, model.decode_step(params, cache_length), eos_id=eos, topk=kind.topk,
+            state, model.decode_step(params, cache_length), eos_id=eos, topk=None,
             greedy_only=greedy, use_topp=not greedy, steps=steps)
       decodes, scores, aux = decoding.sample_result(state, n)
       window = slice(offset, offset + length)  # new token j is decodes[offset + j]
@@ -339,9 +342,10 @@ class Generator:
         return self._beam(kind, inputs, length, max_new, alpha, min_lp, on_chunk, ids)
       start, advance = self._sample_fns(kind, length)
       placed = self._place({"inputs": inputs, "max_new": max_new, "temperature": temperature,
-                            "topp": topp, "adapters": ids})
+                            "topp": topp, "topk": np.full((b,), kind.topk, np.int32),
+                            "adapters": ids})
       state = start(self.params, placed["inputs"], placed["max_new"], placed["temperature"],
-                    placed["topp"], jax.random.key(seed), placed["adapters"])
+                    placed["topp"], placed["topk"], jax.random.key(seed), placed["adapters"])
       steps = np.int32(self.chunk_tokens if stream else _ALL_STEPS)
       i = inputs.shape[1]
       while True:

@@ -152,6 +152,32 @@ def test_sampling_reproducible_chunked_equal_whole_and_predict(setup):
   np.testing.assert_allclose(a.scores, scores, rtol=1e-6, atol=1e-6)
 
 
+def test_top_k_is_a_runtime_value_no_client_compiles(models):
+  """The static path (`--scheduler static`, beam-free sampling): top_k, as temperature and
+  top_p, is a traced per-row value. A client sending a new top_k per request made the
+  server compile each time (4 s a request on a tiny T5, measured); now nothing compiles,
+  and top_k still applies (1 is greedy; any k agrees with `predict`'s static filter)."""
+  from t5forge.engine import compile_count
+  m, g = models("t5_1_1.tiny")
+  x = _inputs(m, seed=9)
+
+  def run(k, seed=3):
+    return g.generate(Kind("sample", topk=k), x, decode_length=LENGTH,
+                      max_new_tokens=_rows(B, LENGTH, np.int32), temperature=_rows(B, 2.0),
+                      topp=_rows(B, 0.9), seed=seed)
+
+  greedy = _greedy(g, x, stream=False)
+  run(5)
+  before = compile_count()
+  out = {k: run(k) for k in (1, 2, 17, 63, 999)}
+  assert compile_count() == before
+  np.testing.assert_array_equal(out[1].tokens[:, 0], greedy.tokens[:, 0])
+  assert not np.array_equal(out[999].tokens, out[1].tokens)
+  tokens, _ = m.predict(x, max_decode_length=LENGTH, method="sample", topk=2, topp=0.9,
+                        temperature=2.0, seed=3, return_all_decodes=True)
+  np.testing.assert_array_equal(out[2].tokens, tokens)
+
+
 def test_beam_equals_predict(setup):
   m, g = setup
   x = _inputs(m, seed=6)

@@ -72,3 +72,25 @@ def test_the_compile_counter_counts_a_deliberate_compile():
   f(np.arange(9, dtype=np.float32)).block_until_ready()  # a new shape compiles
   assert compile_count() == before + 2
   np.testing.assert_allclose(np.asarray(f(x)), np.tanh(x) * 3.25 + 0.5, rtol=1e-6)
+
+
+def test_every_worker_counts_compiles_after_its_ready():
+  """`compiles_since_ready` belongs to every queue worker: with `--scheduler static` the
+  batcher is the last worker ready and /metrics reads it (it read 0 whatever compiled,
+  as only the engine counted)."""
+  from t5forge.engine import QueueWorker
+
+  class Idle(QueueWorker):
+    def _warmup(self):
+      return 0
+
+    def _serve(self):
+      pass
+
+  w = Idle(name="idle", max_queue=1)
+  assert w.compiles_since_ready() == 0  # not ready: nothing counted yet
+  w.start()
+  assert w.ready.wait(60)
+  assert w.compiles_since_ready() == 0
+  jax.jit(lambda x: jnp.sin(x) * 1.75 - 0.25)(np.arange(5, dtype=np.float32)).block_until_ready()
+  assert w.compiles_since_ready() == 1

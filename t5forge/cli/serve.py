@@ -279,6 +279,7 @@ def main(argv: list[str]) -> int:
   if engine is not None:
     # The engine counts compilations from its ready on: the batcher's come first.
     engine.warm_after = batch.ready
+  metrics.watch_compiles(engine if engine is not None else batch)  # the last to be ready
   chat_template = _chat_template(args, vocab)
   service = Service(batcher=batch, vocabulary=vocab, kind_cls=kind_cls, model_name=name,
                     limits=limits, metrics=metrics, is_encoder_decoder=gen.is_encoder_decoder,
@@ -361,7 +362,6 @@ def _engine(args, gen, buckets, *, exported_dir: bool, metrics):
                              max_queue_wait_s=args.max_queue_wait_s,
                              encode_budget=args.encode_budget,
                              max_wait_ms=args.max_wait_ms, metrics=metrics)
-  metrics.watch_compiles(engine)
   return engine
 
 

@@ -46,22 +46,6 @@ class ShutDown(Exception):
   """The row was still running when the shutdown timeout ended."""
 
 
-_COMPILES = [0]
-
-
-def _count_compiles(event: str, _duration: float, **_kw) -> None:
-  if event == "/jax/core/compile/backend_compile_duration":
-    _COMPILES[0] += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_count_compiles)
-
-
-def compile_count() -> int:
-  """XLA compilations in this process so far (all threads)."""
-  return _COMPILES[0]
-
-
 @dataclasses.dataclass
 class RowOutput:
   """A finished row: its new tokens (the stop id included when it ended with one),
@@ -134,7 +118,6 @@ class Engine(QueueWorker):
     self._running: dict[int, Row] = {}  # slot -> row
     self._release: set[int] = set()  # slots freed on the host, still active on the device
     self._deadline: float | None = None  # shutdown: fail what still runs after this
-    self.compiles_at_ready = 0
     self.max_wait = max_wait_ms / 1000.0
     self._step_s = 0.0  # the last step call's seconds
     self._ended_at = collections.deque(maxlen=4)  # when the last steps that ended rows did
@@ -150,9 +133,6 @@ class Engine(QueueWorker):
   def in_use(self) -> int:
     with self._cond:
       return len(self._running)
-
-  def compiles_since_ready(self) -> int:
-    return compile_count() - self.compiles_at_ready
 
   def drain(self, timeout: float | None = None) -> None:
     """Starts the shutdown deadline (SIGTERM): with `timeout` (> 0), rows still waiting or
@@ -202,9 +182,7 @@ class Engine(QueueWorker):
       m.slots_in_use.set(len(self._running) / self.slots.num_slots)
 
   def _warmup(self) -> int:
-    count = self.slots.warmup()
-    self.compiles_at_ready = compile_count()
-    return count
+    return self.slots.warmup()
 
   def _serve(self) -> None:
     while True:

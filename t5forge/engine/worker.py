@@ -7,13 +7,32 @@
 `queue_depth()`. A row is any object with `enqueued`, `cancelled` and `done(result)`.
 Setting `warm_after` to another worker's `ready` before `start()` makes this one warm up
 after that one is ready (its own `ready` then comes last, so compilations counted from it
-are those of requests only).
+are those of requests only). `compiles_since_ready()` counts every XLA compilation in the
+process after this worker's ready (a persistent-cache hit included): a request that
+compiles shows up whichever worker's path it took.
 """
 from __future__ import annotations
 
 import threading
 import time
 from typing import Callable
+
+import jax
+
+_COMPILES = [0]
+
+
+def _count_compiles(event: str, _duration: float, **_kw) -> None:
+  if event == "/jax/core/compile/backend_compile_duration":
+    _COMPILES[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+
+
+def compile_count() -> int:
+  """XLA compilations in this process so far (all threads)."""
+  return _COMPILES[0]
 
 
 class QueueFull(Exception):
@@ -47,6 +66,7 @@ class QueueWorker:
     self.ready = threading.Event()
     self.failed: BaseException | None = None
     self.compiled_shapes = 0
+    self.compiles_at_ready = 0
     self.warm_after: threading.Event | None = None
     self._thread = threading.Thread(target=self._main, name=name, daemon=True)
 
@@ -66,6 +86,10 @@ class QueueWorker:
       self._waiting.extend(rows)
       self._gauges()
       self._cond.notify()
+
+  def compiles_since_ready(self) -> int:
+    """XLA compilations in this process since this worker's warm-up ended."""
+    return compile_count() - self.compiles_at_ready if self.ready.is_set() else 0
 
   def queue_depth(self) -> int:
     with self._cond:
@@ -111,6 +135,7 @@ class QueueWorker:
     self._serve()
 
   def _announce(self) -> None:
+    self.compiles_at_ready = compile_count()
     self.ready.set()
     if self._on_ready:
       self._on_ready()

@@ -120,9 +120,10 @@ class Metrics:
               "length" if "length" in reasons else "stop")
     self.finished.labels(reason).inc()
 
-  def watch_compiles(self, engine) -> None:
-    """Reports `engine.compiles_since_ready()` as t5forge_compiles_since_ready."""
-    self.compiles.set_function(engine.compiles_since_ready)
+  def watch_compiles(self, worker) -> None:
+    """Reports `worker.compiles_since_ready()` (an engine or a batcher, whichever is ready
+    last) as t5forge_compiles_since_ready."""
+    self.compiles.set_function(worker.compiles_since_ready)
 
   def render(self) -> tuple[bytes, str]:
     """-> (body, content type) of the Prometheus text format."""

@@ -70,10 +70,11 @@ async def health(request: fastapi.Request):
                           code="loading", headers={"Retry-After": "2"})
   out = {"status": "ok", "model": s.model_name,
          "compiled_shapes": sum(w.compiled_shapes for w in workers),
-         "queue_depth": sum(w.queue_depth() for w in workers)}
+         "queue_depth": sum(w.queue_depth() for w in workers),
+         # from the last worker to be ready (the engine warms up after the batcher)
+         "compiles_since_ready": (s.engine or s.batcher).compiles_since_ready()}
   if s.engine is not None:
-    out.update(slots=s.engine.slots.num_slots, slots_in_use=s.engine.in_use(),
-               compiles_since_ready=s.engine.compiles_since_ready())
+    out.update(slots=s.engine.slots.num_slots, slots_in_use=s.engine.in_use())
   return out
 
 
