@@ -14,6 +14,7 @@ requests, finishes those in flight and exits 0.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import ipaddress
 import json
@@ -224,8 +225,40 @@ def _check_model_limits(config, buckets) -> None:
                     f"(a token and {'EOS' if config.is_encoder_decoder else 'BOS'})")
 
 
+@dataclasses.dataclass
+class _Flags:
+  """What the flags say once checked (before anything slow)."""
+  buckets: object
+  limits: object
+  warm: list
+  keys: object
+  rates: tuple
+  body_timeout_s: float
+  name: str
+  specs: list
+
+
 def main(argv: list[str]) -> int:
   args = _parser().parse_args(argv)
+  flags = _check_flags(args)
+  sock = _bind(args.host, args.port)
+  t0 = time.monotonic()
+  service, devices = _build(args, flags)
+  from t5forge.serve import app as app_lib  # noqa: PLC0415 (after the flags parse: --help stays fast)
+  return _run(app_lib.create_app(service), service, sock, args.host, t0, devices)
+
+
+def build_service(argv: list[str]):
+  """The `t5forge.serve.Service` that `t5forge serve ARGV` serves: the model loaded, its
+  workers not started, nothing listening (--host and --port unused). For running the
+  application in-process: `app.create_app(service)`, then start and close
+  `service.workers()` (the application's lifespan does both under uvicorn)."""
+  args = _parser().parse_args(argv)
+  return _build(args, _check_flags(args))[0]
+
+
+def _check_flags(args) -> _Flags:
+  """Checks everything the flags alone can say, so that a bad flag is one line at once."""
   buckets, limits = _buckets(args)
   warm = [w.strip() for w in args.warmup.split(",") if w.strip()]
   unknown = sorted(set(warm) - {"greedy", "sample", "score", "embed"})
@@ -250,19 +283,24 @@ def main(argv: list[str]) -> int:
   from t5forge.serve import adapters as adapter_lib  # noqa: PLC0415 (after the flags parse: --help stays fast)
   name = args.model_name or os.path.basename(os.path.normpath(given))
   specs = adapter_lib.parse(args.adapter, base_name=name)
-  sock = _bind(args.host, args.port)
+  return _Flags(buckets=buckets, limits=limits, warm=warm, keys=keys, rates=rates,
+                body_timeout_s=body_timeout_s, name=name, specs=specs)
 
+
+def _build(args, flags: _Flags) -> tuple:
+  """Loads the model and makes its workers; -> (Service, "N platform device(s)")."""
+  from t5forge.serve import auth  # noqa: PLC0415 (after the flags parse: --help stays fast)
+  buckets, limits, warm, name = flags.buckets, flags.limits, flags.warm, flags.name
   from t5forge.export import loader as exported  # noqa: PLC0415 (after the flags parse: --help stays fast)
   if exported.is_exported_dir(args.checkpoint):
     # Checked again now that the manifest's shapes are known.
     with open(os.path.join(args.checkpoint, "manifest.json"), encoding="utf-8") as f:
       buckets, limits = _buckets(args, json.load(f))
   import jax  # noqa: PLC0415 (after the flags parse: --help stays fast)
-  from t5forge.serve import app as app_lib, batcher  # noqa: PLC0415 (after the flags parse: --help stays fast)
+  from t5forge.serve import batcher  # noqa: PLC0415 (after the flags parse: --help stays fast)
   from t5forge.serve.service import Service  # noqa: PLC0415 (after the flags parse: --help stays fast)
   from t5forge.serve.metrics import Metrics  # noqa: PLC0415 (after the flags parse: --help stays fast)
-  t0 = time.monotonic()
-  gen, vocab, kind_cls, check_kind, adapter_names = _open(args, buckets, exported, specs)
+  gen, vocab, kind_cls, check_kind, adapter_names = _open(args, buckets, exported, flags.specs)
   metrics = Metrics(model_name=name, compat=args.metrics_compat)
   engine = _engine(args, gen, buckets, exported_dir=check_kind is not None, metrics=metrics)
   # The engine compiles greedy and sampling itself; the batcher then runs beam search only.
@@ -280,18 +318,18 @@ def main(argv: list[str]) -> int:
     # The engine counts compilations from its ready on: the batcher's come first.
     engine.warm_after = batch.ready
   chat_template = _chat_template(args, vocab)
+  rates = flags.rates
   service = Service(batcher=batch, vocabulary=vocab, kind_cls=kind_cls, model_name=name,
                     limits=limits, metrics=metrics, is_encoder_decoder=gen.is_encoder_decoder,
                     eos_id=gen.eos_id, stop_ids=getattr(gen, "stop_ids", None),
                     check_kind=check_kind, can_score=check_kind is None,
                     can_embed=check_kind is None,
-                    engine=engine, shutdown_timeout=args.shutdown_timeout, keys=keys,
+                    engine=engine, shutdown_timeout=args.shutdown_timeout, keys=flags.keys,
                     limiter=None if rates == (None, None) else auth.Limiter(*rates,
                                                                             metrics=metrics),
-                    body_timeout_s=body_timeout_s, chat_template=chat_template,
+                    body_timeout_s=flags.body_timeout_s, chat_template=chat_template,
                     adapters=adapter_names)
-  return _run(app_lib.create_app(service), service, sock, args.host, t0,
-              f"{len(jax.devices())} {jax.devices()[0].platform} device(s)")
+  return service, f"{len(jax.devices())} {jax.devices()[0].platform} device(s)"
 
 
 def _bucket_paths(args) -> None:
