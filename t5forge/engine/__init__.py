@@ -15,8 +15,8 @@ from t5forge.engine.scheduler import (Engine, QueueTimeout, Row, RowOutput, Shut
                                       compile_count)
 from t5forge.engine.slots import (TOP_LOGPROBS, InsertRow, Slots, SlotState, StepOut,
                                   check_fits, free_memory_bytes)
-from t5forge.engine.worker import Cancelled, Closed, QueueFull, QueueWorker
+from t5forge.engine.worker import Cancelled, Closed, QueueFull, QueueWorker, WorkerDied
 
 __all__ = ["Cancelled", "Closed", "Engine", "InsertRow", "OfflineDecoder", "QueueFull", "QueueTimeout", "Row",
            "QueueWorker", "RowOutput", "ShutDown", "SlotState", "Slots", "StepOut", "TOP_LOGPROBS",
-           "check_fits", "compile_count", "free_memory_bytes"]
+           "WorkerDied", "check_fits", "compile_count", "free_memory_bytes"]
