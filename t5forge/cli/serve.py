@@ -10,6 +10,11 @@ POST /v1/score, POST /v1/embeddings, GET /v1/models, GET /health, GET /metrics,
 GET / (a page to try the model). The buckets are compiled at start-up; /health answers
 503 until they are, and the server prints one `ready at URL` line. SIGTERM stops taking
 requests, finishes those in flight and exits 0.
+
+Exit codes: 0 after SIGTERM; 1 the warm-up failed; 2 a bad flag or input (one
+`t5forge: error:` line); 70 (EX_SOFTWARE) a worker thread died while serving: its
+requests were answered with an error, /health said 503, and the server stopped so that
+its supervisor (systemd Restart=on-failure, Kubernetes) starts a fresh one.
 """
 from __future__ import annotations
 
@@ -139,6 +144,10 @@ def _parser() -> argparse.ArgumentParser:
   e.add_argument("--shutdown_timeout", type=float, default=0.0,
                  help="SIGTERM: seconds to finish the requests in flight, then end them with "
                  "an error (0: finish everything)")
+  e.add_argument("--request_timeout_s", type=float, default=0.0,
+                 help="a request not answered within this many seconds gets 504 (a stream: "
+                 "an error event) and its rows leave the queue and the slots (0, the "
+                 "default as in vLLM and TGI: no limit; clients set their own)")
   lim = p.add_argument_group("limits")
   lim.add_argument("--max_queue", type=int, default=256,
                    help="rows that may wait; more get 503 + Retry-After")
@@ -207,7 +216,8 @@ def _buckets(args, manifest: dict | None = None) -> tuple:
     if v is not None and v < 1:
       raise UserError(f"{flag} must be >= 1, got {v}")
   for flag, v in (("--max_queue_wait_s", args.max_queue_wait_s),
-                  ("--shutdown_timeout", args.shutdown_timeout)):
+                  ("--shutdown_timeout", args.shutdown_timeout),
+                  ("--request_timeout_s", args.request_timeout_s)):
     if v is not None and v < 0:
       raise UserError(f"{flag} must be >= 0 seconds, got {v}")
   limits = api.Limits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=max_prompt,
@@ -328,7 +338,7 @@ def _build(args, flags: _Flags) -> tuple:
                     limiter=None if rates == (None, None) else auth.Limiter(*rates,
                                                                             metrics=metrics),
                     body_timeout_s=flags.body_timeout_s, chat_template=chat_template,
-                    adapters=adapter_names)
+                    adapters=adapter_names, request_timeout_s=args.request_timeout_s)
   return service, f"{len(jax.devices())} {jax.devices()[0].platform} device(s)"
 
 
@@ -468,6 +478,8 @@ def _run(app, service, sock, host: str, t0: float, devices: str) -> int:
   port = sock.getsockname()[1]
   url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
 
+  died = []  # the worker that died while serving, if one did
+
   def announce():
     # One line once the socket listens and the buckets are compiled.
     workers = service.workers()
@@ -484,6 +496,24 @@ def _run(app, service, sock, host: str, t0: float, devices: str) -> int:
     print(f"t5forge serve: ready at {url} (model {service.model_name!r}, "
           f"{sum(w.compiled_shapes for w in workers)} shapes compiled{engine}, {devices}, "
           f"{time.monotonic() - t0:.1f} s)", flush=True)
+    watch(workers)
+
+  def watch(workers):
+    # A worker that died has answered its rows and /health says 503; nothing can serve
+    # them again in this process, so it exits for its supervisor to start a fresh one.
+    # (Polled: a thread that ends without `died` set is caught too.)
+    while not (server.should_exit or service.draining):
+      dead = next((w for w in workers if w.died is not None or not w.alive()), None)
+      if dead is not None and not service.draining:
+        died.append(dead)
+        service.draining = True
+        why = (f" on internal error {dead.died.error_id} (its traceback is above)"
+               if dead.died is not None else "")
+        print(f"t5forge: error: {dead.name} stopped{why}; exiting with status 70 for a "
+              "supervisor to restart the server", file=sys.stderr, flush=True)
+        server.should_exit = True
+        return
+      time.sleep(0.1)
 
   threading.Thread(target=announce, daemon=True).start()
   # uvicorn re-raises the signal it caught once it has shut down; with a Python handler
@@ -493,4 +523,6 @@ def _run(app, service, sock, host: str, t0: float, devices: str) -> int:
     server.run(sockets=[sock])
   finally:
     signal.signal(signal.SIGTERM, previous)
-  return 1 if any(w.failed is not None for w in service.workers()) else 0
+  if any(w.failed is not None for w in service.workers()):
+    return 1
+  return 70 if died else 0
