@@ -9,6 +9,7 @@
   exits 70 (a subprocess: the only test here that needs one);
 - --request_timeout_s: a request past it gets 504 (a stream: an error event) and its rows
   leave the queue and the slots;
+- --shutdown_timeout: rows still waiting for the static batcher after it fail;
 - no internal error's text reaches a client.
 
 Faults are injected by patching a worker's callbacks or its `Slots` methods on the
@@ -21,14 +22,18 @@ import re
 import sys
 import threading
 import time
+import types
 
+import numpy as np
 import pytest
 
 import serve_fault_hook
 from serve_inprocess import InProcess, events, poll
+from t5forge import engine as engine_lib
 from t5forge import testing as sh
 from t5forge.cli import serve as serve_cli
 from t5forge.errors import UserError
+from t5forge.serve import batcher as batching
 from train_helpers import ROOT
 
 SECRET = "secret-fault-text-4e1b"  # in every injected exception; never in a response
@@ -321,3 +326,52 @@ def test_the_process_exits_70_when_a_worker_dies(ckpt):
     assert error_id in out and serve_fault_hook.FAULT in out and "Traceback" in out, out[-3000:]
   finally:
     srv.stop()
+
+
+class _HeldGenerator:
+  """A stand-in model whose `generate` (one batch) runs until `release` is set."""
+  eos_id, is_encoder_decoder, adapter_count = 1, True, 0
+
+  def __init__(self):
+    self.entered, self.release, self.calls = threading.Event(), threading.Event(), 0
+
+  def generate(self, kind, inputs, *, decode_length, **_):
+    self.calls += 1
+    self.entered.set()
+    self.release.wait(30)  # the test sets it; the deadline only bounds a failing test
+    b = inputs.shape[0]
+    return types.SimpleNamespace(
+        tokens=np.full((b, 1, decode_length), 5, np.int32), scores=np.zeros((b, 1)),
+        token_logprobs=None, top_ids=None, top_logprobs=None,
+        lengths=np.ones((b, 1), np.int32), finished=np.zeros((b, 1), bool))
+
+
+def test_shutdown_timeout_fails_what_still_waits_for_the_static_batcher():
+  gen = _HeldGenerator()
+  b = batching.Batcher(gen, batching.Buckets(batch=(1,), length=(8,), decode=(4,)),
+                       max_batch_size=1, max_wait_ms=0)
+  b.start()
+  assert b.ready.wait(30) and b.failed is None
+  got = {}
+  settled = threading.Semaphore(0)
+
+  def row(name):
+    def done(result):
+      got[name] = result
+      settled.release()
+    return batching.Row(group="greedy", ids=[5, 1], max_new_tokens=2, done=done)
+
+  try:
+    b.submit([row("running")])
+    assert gen.entered.wait(30)
+    b.submit([row("waiting")])
+    b.drain(1e-6)  # the deadline passes while the first batch still runs
+    gen.release.set()
+    for _ in range(2):
+      assert settled.acquire(timeout=30)
+  finally:
+    gen.release.set()
+    b.close(10)
+  assert isinstance(got["running"], batching.RowResult), got  # its call had started
+  assert isinstance(got["waiting"], engine_lib.ShutDown), got
+  assert gen.calls == 1 and not b.alive()

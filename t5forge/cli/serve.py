@@ -143,7 +143,8 @@ def _parser() -> argparse.ArgumentParser:
                  help="a request waiting longer for a slot gets 503 + Retry-After")
   e.add_argument("--shutdown_timeout", type=float, default=0.0,
                  help="SIGTERM: seconds to finish the requests in flight, then end them with "
-                 "an error (0: finish everything)")
+                 "an error; a beam or static batch still running 5 s later is cut off "
+                 "(0: finish everything)")
   e.add_argument("--request_timeout_s", type=float, default=0.0,
                  help="a request not answered within this many seconds gets 504 (a stream: "
                  "an error event) and its rows leave the queue and the slots (0, the "
@@ -458,6 +459,9 @@ def _open(args, buckets, exported, specs) -> tuple:
   return gen, opened.vocabulary, generation.Kind, None, names
 
 
+_SHUTDOWN_GRACE_S = 5.0  # after --shutdown_timeout, for the last error events to go out
+
+
 def _run(app, service, sock, host: str, t0: float, devices: str) -> int:
   import uvicorn  # noqa: PLC0415 (after the flags parse: --help stays fast)
 
@@ -466,14 +470,19 @@ def _run(app, service, sock, host: str, t0: float, devices: str) -> int:
       # New requests get 503 at once; uvicorn stops listening and waits for the ones in
       # flight; the lifespan's shutdown then drains the batcher.
       service.draining = True
-      if service.engine is not None:
+      for w in service.workers():
         # uvicorn waits for the open streams before the lifespan's shutdown: the
         # deadline must start now.
-        service.engine.drain(service.shutdown_timeout or None)
+        w.drain(service.shutdown_timeout or None)
       super().handle_exit(sig, frame)
 
+  # --shutdown_timeout bounds uvicorn's wait for the requests in flight too: the workers
+  # end their rows at the deadline, whose error events then get a few seconds to go out;
+  # whatever still runs after that (a beam or static batch inside its one compiled call)
+  # is cancelled and its connection closed.
+  grace = service.shutdown_timeout + _SHUTDOWN_GRACE_S if service.shutdown_timeout else None
   config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                          timeout_keep_alive=5)
+                          timeout_keep_alive=5, timeout_graceful_shutdown=grace)
   server = Server(config)
   port = sock.getsockname()[1]
   url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"

@@ -42,16 +42,12 @@ import jax
 import numpy as np
 
 from t5forge.engine.slots import InsertRow, Slots
-from t5forge.engine.worker import Cancelled, QueueWorker
+from t5forge.engine.worker import Cancelled, QueueWorker, ShutDown
 from t5forge.errors import InternalError, UserError, internal_error
 
 
 class QueueTimeout(Exception):
   """The row waited longer than `max_queue_wait_s` for a slot."""
-
-
-class ShutDown(Exception):
-  """The row was still running when the shutdown timeout ended."""
 
 
 _COMPILES = [0]
@@ -141,7 +137,6 @@ class Engine(QueueWorker):
     self.slots = slots
     self._running: dict[int, Row] = {}  # slot -> row
     self._release: set[int] = set()  # slots freed on the host, still active on the device
-    self._deadline: float | None = None  # shutdown: fail what still runs after this
     self.compiles_at_ready = 0
     self.max_wait = max_wait_ms / 1000.0
     self._step_s = 0.0  # the last step call's seconds
@@ -162,18 +157,9 @@ class Engine(QueueWorker):
   def compiles_since_ready(self) -> int:
     return compile_count() - self.compiles_at_ready
 
-  def drain(self, timeout: float | None = None) -> None:
-    """Starts the shutdown deadline (SIGTERM): with `timeout` (> 0), rows still waiting or
-    running after it fail with ShutDown. Rows are still taken until `close`: a request the
-    HTTP layer accepted before the signal must reach its slot. Returns at once."""
-    with self._cond:
-      if timeout and self._deadline is None:
-        self._deadline = time.monotonic() + timeout
-      self._cond.notify()
-
   def close(self, timeout: float | None = None) -> None:
-    """`drain(timeout)`, stops taking rows, then joins the worker once the queue and the
-    slots are empty."""
+    """`drain(timeout)` (rows still waiting or running after it fail with ShutDown),
+    stops taking rows, then joins the worker once the queue and the slots are empty."""
     self.drain(timeout)
     with self._cond:
       self._closing = True

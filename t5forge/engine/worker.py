@@ -41,6 +41,10 @@ class Cancelled(Exception):
   """The row's client left before it finished."""
 
 
+class ShutDown(Exception):
+  """The row was still waiting or running when the shutdown timeout ended."""
+
+
 class WorkerDied(Closed):
   """The worker thread stopped on an unexpected exception, logged under `error_id`: it
   serves nothing more (the server exits, for its supervisor to restart it)."""
@@ -69,6 +73,7 @@ class QueueWorker:
     self._owned: dict[int, object] = {}
     self._cond = threading.Condition()
     self._closing = False
+    self._deadline: float | None = None  # shutdown: fail what still waits after this
     self.ready = threading.Event()
     self.failed: BaseException | None = None  # the warm-up's exception
     self.died: WorkerDied | None = None  # set the moment the serving loop fails
@@ -97,6 +102,16 @@ class QueueWorker:
         self._owned[id(r)] = r
       self._waiting.extend(rows)
       self._gauges()
+      self._cond.notify()
+
+  def drain(self, timeout: float | None = None) -> None:
+    """Starts the shutdown deadline (SIGTERM): with `timeout` (> 0), rows still waiting
+    after it fail with ShutDown (the engine's running rows too). Rows are still taken
+    until `close`: a request the HTTP layer accepted before the signal must be served.
+    Returns at once."""
+    with self._cond:
+      if timeout and self._deadline is None:
+        self._deadline = time.monotonic() + timeout
       self._cond.notify()
 
   def queue_depth(self) -> int:

@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from t5forge.engine import Cancelled, QueueWorker
+from t5forge.engine import Cancelled, QueueWorker, ShutDown
 from t5forge.errors import internal_error
 
 
@@ -142,7 +142,10 @@ class Batcher(QueueWorker):
     self._seeds = itertools.count(random.SystemRandom().randrange(2 ** 30))
 
   def close(self, timeout: float | None = None) -> None:
-    """Stops taking rows, finishes the waiting and running ones, joins the worker."""
+    """`drain(timeout)` (rows still waiting after it fail with ShutDown; a batch already
+    running finishes its call), stops taking rows, joins the worker (at most `timeout`
+    s)."""
+    self.drain(timeout)
     with self._cond:
       self._closing = True
       self._cond.notify()
@@ -179,17 +182,23 @@ class Batcher(QueueWorker):
 
   def _take(self) -> list[Row] | None:
     """Blocks for the next batch: rows of the oldest row's group (None: closed and empty).
-    Rows whose client left are dropped, never run."""
+    Rows whose client left are dropped, never run; so are those still waiting after the
+    shutdown deadline (`drain`)."""
     while True:
       with self._cond:
         gone = self._drop_cancelled()
-        if not gone:
+        late = []
+        if self._deadline is not None and time.monotonic() >= self._deadline:
+          late, self._waiting = self._waiting, []
+          self._gauges()
+        if not gone and not late:
           while not self._waiting:
             if self._closing:
               return None
             self._cond.wait()
           break
       self._fail(gone, Cancelled(), "queued")
+      self._fail(late, ShutDown("the server shut down before this row started"), "shutdown")
     with self._cond:
       group = self._waiting[0].group
       # The wait counts from when the model became free, not from when the oldest row
