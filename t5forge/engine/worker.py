@@ -140,10 +140,10 @@ class QueueWorker:
       self._settle(r, exc)
 
   def _settle(self, r, result) -> None:
-    """Calls `r.done(result)` unless the row was settled already (outside the lock). A
-    `done` that raises fails only its own row: the exception is logged under an error id
-    and `done` gets that `InternalError` instead (its request's error path); if that
-    raises too, the request is left to its deadline (--request_timeout_s)."""
+    """Calls `r.done(result)` unless the row was settled already; called without the
+    lock held. A `done` that raises fails only its own row: the exception is logged under
+    an error id and `done` gets that `InternalError` instead (its request's error path);
+    if that raises too, the request is left to its deadline (--request_timeout_s)."""
     with self._cond:
       if self._owned.pop(id(r), None) is None:
         return
