@@ -1,4 +1,18 @@
-"""The exception types the CLI turns into a one-line message instead of a traceback."""
+"""The exceptions the CLI and the server treat specially.
+
+`UserError` is bad input: the CLI prints its one line and exits with its `exit_code` (2);
+the server answers 400. `Unavailable` (a UserError) is a failure outside the run that may
+pass: one line, exit status 75. `InternalError` is a bug or a failure of ours:
+`internal_error(exc, what)` logs `exc`'s traceback under a fresh error id and returns an
+`InternalError` that carries only the id, which is all a client is ever told
+(`internal error (id ID)`).
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+
+log = logging.getLogger(__name__)
 
 
 class UserError(Exception):
@@ -17,3 +31,22 @@ class Unavailable(UserError):
   (EX_TEMPFAIL in sysexits.h): a supervisor may restart the same command as it is."""
 
   exit_code = 75
+
+
+class InternalError(Exception):
+  """An unexpected exception, logged with its traceback under `error_id` (its
+  `__cause__`); its message names the id only."""
+
+  def __init__(self, error_id: str):
+    super().__init__(f"internal error (id {error_id})")
+    self.error_id = error_id
+
+
+def internal_error(exc: BaseException, what: str) -> InternalError:
+  """Logs `exc` with its traceback under a new error id, saying `what` failed; -> the
+  `InternalError` to hand on (its `__cause__` is `exc`)."""
+  error_id = secrets.token_hex(6)
+  log.error("internal error %s: %s", error_id, what, exc_info=exc)
+  err = InternalError(error_id)
+  err.__cause__ = exc
+  return err

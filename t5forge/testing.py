@@ -122,17 +122,19 @@ class Server:
     log_path: also write everything the server prints to this file.
     own_session: start it in its own session, so that a ctrl-C in the terminal reaches
       only this process (which then stops the server with SIGTERM, via `stop`).
+    command: what runs `serve ...` (default `python -m t5forge`): e.g. `python -c CODE`
+      whose CODE patches something in, then calls `t5forge.cli.main.main(sys.argv[1:])`.
 
   As a context manager, leaving it stops the server (`stop`).
   """
 
   def __init__(self, checkpoint: str, *flags: str, wait: bool = True, timeout: float = 300,
                env: dict | None = None, cwd: str | None = None, log_path: str | None = None,
-               own_session: bool = False):
+               own_session: bool = False, command: list[str] | None = None):
     self.port = free_port()
     self.url = f"http://127.0.0.1:{self.port}"
-    self.argv = [sys.executable, "-m", "t5forge", "serve", "--checkpoint", checkpoint,
-                 "--host", "127.0.0.1", "--port", str(self.port), *flags]
+    self.argv = [*(command or [sys.executable, "-m", "t5forge"]), "serve", "--checkpoint",
+                 checkpoint, "--host", "127.0.0.1", "--port", str(self.port), *flags]
     self.log_path = log_path
     self.ready_line: str | None = None
     self.ready_s: float | None = None  # seconds from the start to the ready line

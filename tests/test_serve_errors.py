@@ -2,7 +2,9 @@
 each bad request is a 4xx whose `{"error": {...}}` names the field, and the next good request
 still succeeds; a full queue is a 503 with Retry-After; start-up errors (missing checkpoint,
 no vocabulary, port in use, buckets that do not fit) are one `t5forge: error:` line. One
-server serves the module."""
+server serves the module; the full queue is checked in-process, its workers held before
+their warm-up."""
+import asyncio
 import socket
 import subprocess
 import sys
@@ -10,6 +12,7 @@ import threading
 
 import pytest
 
+from serve_inprocess import InProcess, poll
 from t5forge import testing as sh
 from train_helpers import ROOT, error_line
 
@@ -27,55 +30,46 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(ckpt):
-  """Queue of one row, at most 16 prompt tokens, n <= 2, 4 KiB bodies, a key. The
-  queue-full check runs while the server is still compiling (the worker takes nothing yet),
-  which makes it deterministic; the other tests run once it is ready."""
+  """Queue of one row, at most 16 prompt tokens, n <= 2, 4 KiB bodies, a key."""
   srv = sh.Server(ckpt, *sh.FAST_FLAGS, "--max_queue", "1", "--max_prompt_tokens", "16",
                   "--max_n", "2", "--max_body_bytes", "4096", "--api_key", KEY,
-                  "--warmup", "greedy,sample", wait=False)
+                  "--warmup", "greedy,sample")
   try:
-    srv.queue_full = _queue_full_while_compiling(srv)
-    srv.wait_ready()
     yield srv
   finally:
     assert srv.stop() == 0, srv.output()[-3000:]
 
 
-def _queue_full_while_compiling(srv) -> dict:
-  """While /health says 503 (compiling), one request fills the one-row queue; the next
-  gets 503 + Retry-After. Returns what was seen, checked by test_queue_full."""
-  def listening():
-    assert srv.proc.poll() is None, srv.output()[-3000:]
-    try:
-      return sh.request(srv.url, "/health")[0]
-    except OSError:
-      return None  # not listening yet
-  sh.wait_for(listening, 120, "the server to listen")
-  seen = {"health_before": listening()}
-  first = {}
-  t = threading.Thread(target=lambda: first.update(
-      r=sh.request(srv.url, "/v1/completions", GOOD, headers=AUTH)))
-  t.start()
+def test_queue_full_is_503_with_retry_after(ckpt):
+  """The workers wait for `gate` before their warm-up, so nothing is taken from the
+  queue: one request fills the one-row queue, the next gets 503 + Retry-After, /health
+  says 503 (compiling); once the gate opens the first is answered."""
+  srv = InProcess("--checkpoint", ckpt, *sh.FAST_FLAGS, "--max_queue", "1")
+  gate = threading.Event()
+  srv.service.batcher.warm_after = gate  # the engine warms up after the batcher
+  srv.start(wait=False)
+  engine = srv.service.engine
 
-  def depth() -> float:
-    _, _, text = sh.request(srv.url, "/metrics", headers=AUTH)
-    return float(text.split("\nt5forge_queue_depth ")[1].split()[0])
+  async def go():
+    seen = {"health_before": (await srv.call("/health"))[0]}
+    first = asyncio.ensure_future(srv.call("/v1/completions", GOOD, deadline_s=300))
+    await poll(lambda: engine.queue_depth() == 1, 60, "the first request to be queued")
+    seen["second"] = await srv.call("/v1/completions", GOOD)
+    seen["health_during"] = (await srv.call("/health"))[0]
+    gate.set()
+    seen["first"] = await first
+    return seen
 
-  sh.wait_for(lambda: depth() == 1, 60, "the first request to be queued")
-  seen["second"] = sh.request(srv.url, "/v1/completions", GOOD, headers=AUTH)
-  seen["health_during"] = sh.request(srv.url, "/health")[0]
-  t.join(300)
-  seen["first"] = first["r"]
-  return seen
-
-
-def test_queue_full_is_503_with_retry_after(server):
-  seen = server.queue_full
+  try:
+    seen = asyncio.run(go())
+  finally:
+    gate.set()
+    srv.close()
   assert seen["health_before"] == 503 and seen["health_during"] == 503  # still compiling
   status, headers, body = seen["second"]
   assert status == 503 and headers.get("retry-after") == "1", (status, body)
   assert body["error"]["code"] == "queue_full"
-  status, _, body = seen["first"]  # queued before the warm-up ended, answered after it
+  status, _, body = seen["first"]  # queued before the warm-up, answered after it
   assert status == 200 and body["choices"][0]["text"], body
 
 

@@ -10,10 +10,16 @@ POST /v1/score, POST /v1/embeddings, GET /v1/models, GET /health, GET /metrics,
 GET / (a page to try the model). The buckets are compiled at start-up; /health answers
 503 until they are, and the server prints one `ready at URL` line. SIGTERM stops taking
 requests, finishes those in flight and exits 0.
+
+Exit codes: 0 after SIGTERM; 1 the warm-up failed; 2 a bad flag or input (one
+`t5forge: error:` line); 70 (EX_SOFTWARE) a worker thread died while serving: its
+requests were answered with an error, /health said 503, and the server stopped so that
+its supervisor (systemd Restart=on-failure, Kubernetes) starts a fresh one.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import ipaddress
 import json
@@ -137,7 +143,12 @@ def _parser() -> argparse.ArgumentParser:
                  help="a request waiting longer for a slot gets 503 + Retry-After")
   e.add_argument("--shutdown_timeout", type=float, default=0.0,
                  help="SIGTERM: seconds to finish the requests in flight, then end them with "
-                 "an error (0: finish everything)")
+                 "an error; a beam or static batch still running 5 s later is cut off "
+                 "(0: finish everything)")
+  e.add_argument("--request_timeout_s", type=float, default=0.0,
+                 help="a request not answered within this many seconds gets 504 (a stream: "
+                 "an error event) and its rows leave the queue and the slots (0, the "
+                 "default as in vLLM and TGI: no limit; clients set their own)")
   lim = p.add_argument_group("limits")
   lim.add_argument("--max_queue", type=int, default=256,
                    help="rows that may wait; more get 503 + Retry-After")
@@ -206,7 +217,8 @@ def _buckets(args, manifest: dict | None = None) -> tuple:
     if v is not None and v < 1:
       raise UserError(f"{flag} must be >= 1, got {v}")
   for flag, v in (("--max_queue_wait_s", args.max_queue_wait_s),
-                  ("--shutdown_timeout", args.shutdown_timeout)):
+                  ("--shutdown_timeout", args.shutdown_timeout),
+                  ("--request_timeout_s", args.request_timeout_s)):
     if v is not None and v < 0:
       raise UserError(f"{flag} must be >= 0 seconds, got {v}")
   limits = api.Limits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=max_prompt,
@@ -224,8 +236,40 @@ def _check_model_limits(config, buckets) -> None:
                     f"(a token and {'EOS' if config.is_encoder_decoder else 'BOS'})")
 
 
+@dataclasses.dataclass
+class _Flags:
+  """What the flags say once checked (before anything slow)."""
+  buckets: object
+  limits: object
+  warm: list
+  keys: object
+  rates: tuple
+  body_timeout_s: float
+  name: str
+  specs: list
+
+
 def main(argv: list[str]) -> int:
   args = _parser().parse_args(argv)
+  flags = _check_flags(args)
+  sock = _bind(args.host, args.port)
+  t0 = time.monotonic()
+  service, devices = _build(args, flags)
+  from t5forge.serve import app as app_lib  # noqa: PLC0415 (after the flags parse: --help stays fast)
+  return _run(app_lib.create_app(service), service, sock, args.host, t0, devices)
+
+
+def build_service(argv: list[str]):
+  """The `t5forge.serve.Service` that `t5forge serve ARGV` serves: the model loaded, its
+  workers not started, nothing listening (--host and --port unused). For running the
+  application in-process: `app.create_app(service)`, then start and close
+  `service.workers()` (the application's lifespan does both under uvicorn)."""
+  args = _parser().parse_args(argv)
+  return _build(args, _check_flags(args))[0]
+
+
+def _check_flags(args) -> _Flags:
+  """Checks everything the flags alone can say, so that a bad flag is one line at once."""
   buckets, limits = _buckets(args)
   warm = [w.strip() for w in args.warmup.split(",") if w.strip()]
   unknown = sorted(set(warm) - {"greedy", "sample", "score", "embed"})
@@ -250,19 +294,24 @@ def main(argv: list[str]) -> int:
   from t5forge.serve import adapters as adapter_lib  # noqa: PLC0415 (after the flags parse: --help stays fast)
   name = args.model_name or os.path.basename(os.path.normpath(given))
   specs = adapter_lib.parse(args.adapter, base_name=name)
-  sock = _bind(args.host, args.port)
+  return _Flags(buckets=buckets, limits=limits, warm=warm, keys=keys, rates=rates,
+                body_timeout_s=body_timeout_s, name=name, specs=specs)
 
+
+def _build(args, flags: _Flags) -> tuple:
+  """Loads the model and makes its workers; -> (Service, "N platform device(s)")."""
+  from t5forge.serve import auth  # noqa: PLC0415 (after the flags parse: --help stays fast)
+  buckets, limits, warm, name = flags.buckets, flags.limits, flags.warm, flags.name
   from t5forge.export import loader as exported  # noqa: PLC0415 (after the flags parse: --help stays fast)
   if exported.is_exported_dir(args.checkpoint):
     # Checked again now that the manifest's shapes are known.
     with open(os.path.join(args.checkpoint, "manifest.json"), encoding="utf-8") as f:
       buckets, limits = _buckets(args, json.load(f))
   import jax  # noqa: PLC0415 (after the flags parse: --help stays fast)
-  from t5forge.serve import app as app_lib, batcher  # noqa: PLC0415 (after the flags parse: --help stays fast)
+  from t5forge.serve import batcher  # noqa: PLC0415 (after the flags parse: --help stays fast)
   from t5forge.serve.service import Service  # noqa: PLC0415 (after the flags parse: --help stays fast)
   from t5forge.serve.metrics import Metrics  # noqa: PLC0415 (after the flags parse: --help stays fast)
-  t0 = time.monotonic()
-  gen, vocab, kind_cls, check_kind, adapter_names = _open(args, buckets, exported, specs)
+  gen, vocab, kind_cls, check_kind, adapter_names = _open(args, buckets, exported, flags.specs)
   metrics = Metrics(model_name=name, compat=args.metrics_compat)
   engine = _engine(args, gen, buckets, exported_dir=check_kind is not None, metrics=metrics)
   # The engine compiles greedy and sampling itself; the batcher then runs beam search only.
@@ -281,18 +330,18 @@ def main(argv: list[str]) -> int:
     engine.warm_after = batch.ready
   metrics.watch_compiles(engine if engine is not None else batch)  # the last to be ready
   chat_template = _chat_template(args, vocab)
+  rates = flags.rates
   service = Service(batcher=batch, vocabulary=vocab, kind_cls=kind_cls, model_name=name,
                     limits=limits, metrics=metrics, is_encoder_decoder=gen.is_encoder_decoder,
                     eos_id=gen.eos_id, stop_ids=getattr(gen, "stop_ids", None),
                     check_kind=check_kind, can_score=check_kind is None,
                     can_embed=check_kind is None,
-                    engine=engine, shutdown_timeout=args.shutdown_timeout, keys=keys,
+                    engine=engine, shutdown_timeout=args.shutdown_timeout, keys=flags.keys,
                     limiter=None if rates == (None, None) else auth.Limiter(*rates,
                                                                             metrics=metrics),
-                    body_timeout_s=body_timeout_s, chat_template=chat_template,
-                    adapters=adapter_names)
-  return _run(app_lib.create_app(service), service, sock, args.host, t0,
-              f"{len(jax.devices())} {jax.devices()[0].platform} device(s)")
+                    body_timeout_s=flags.body_timeout_s, chat_template=chat_template,
+                    adapters=adapter_names, request_timeout_s=args.request_timeout_s)
+  return service, f"{len(jax.devices())} {jax.devices()[0].platform} device(s)"
 
 
 def _bucket_paths(args) -> None:
@@ -410,6 +459,9 @@ def _open(args, buckets, exported, specs) -> tuple:
   return gen, opened.vocabulary, generation.Kind, None, names
 
 
+_SHUTDOWN_GRACE_S = 5.0  # after --shutdown_timeout, for the last error events to go out
+
+
 def _run(app, service, sock, host: str, t0: float, devices: str) -> int:
   import uvicorn  # noqa: PLC0415 (after the flags parse: --help stays fast)
 
@@ -418,17 +470,24 @@ def _run(app, service, sock, host: str, t0: float, devices: str) -> int:
       # New requests get 503 at once; uvicorn stops listening and waits for the ones in
       # flight; the lifespan's shutdown then drains the batcher.
       service.draining = True
-      if service.engine is not None:
+      for w in service.workers():
         # uvicorn waits for the open streams before the lifespan's shutdown: the
         # deadline must start now.
-        service.engine.drain(service.shutdown_timeout or None)
+        w.drain(service.shutdown_timeout or None)
       super().handle_exit(sig, frame)
 
+  # --shutdown_timeout bounds uvicorn's wait for the requests in flight too: the workers
+  # end their rows at the deadline, whose error events then get a few seconds to go out;
+  # whatever still runs after that (a beam or static batch inside its one compiled call)
+  # is cancelled and its connection closed.
+  grace = service.shutdown_timeout + _SHUTDOWN_GRACE_S if service.shutdown_timeout else None
   config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                          timeout_keep_alive=5)
+                          timeout_keep_alive=5, timeout_graceful_shutdown=grace)
   server = Server(config)
   port = sock.getsockname()[1]
   url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+
+  died = []  # the worker that died while serving, if one did
 
   def announce():
     # One line once the socket listens and the buckets are compiled.
@@ -446,6 +505,24 @@ def _run(app, service, sock, host: str, t0: float, devices: str) -> int:
     print(f"t5forge serve: ready at {url} (model {service.model_name!r}, "
           f"{sum(w.compiled_shapes for w in workers)} shapes compiled{engine}, {devices}, "
           f"{time.monotonic() - t0:.1f} s)", flush=True)
+    watch(workers)
+
+  def watch(workers):
+    # A worker that died has answered its rows and /health says 503; nothing can serve
+    # them again in this process, so it exits for its supervisor to start a fresh one.
+    # (Polled: a thread that ends without `died` set is caught too.)
+    while not (server.should_exit or service.draining):
+      dead = next((w for w in workers if w.died is not None or not w.alive()), None)
+      if dead is not None and not service.draining:
+        died.append(dead)
+        service.draining = True
+        why = (f" on internal error {dead.died.error_id} (its traceback is above)"
+               if dead.died is not None else "")
+        print(f"t5forge: error: {dead.name} stopped{why}; exiting with status 70 for a "
+              "supervisor to restart the server", file=sys.stderr, flush=True)
+        server.should_exit = True
+        return
+      time.sleep(0.1)
 
   threading.Thread(target=announce, daemon=True).start()
   # uvicorn re-raises the signal it caught once it has shut down; with a Python handler
@@ -455,4 +532,6 @@ def _run(app, service, sock, host: str, t0: float, devices: str) -> int:
     server.run(sockets=[sock])
   finally:
     signal.signal(signal.SIGTERM, previous)
-  return 1 if any(w.failed is not None for w in service.workers()) else 0
+  if any(w.failed is not None for w in service.workers()):
+    return 1
+  return 70 if died else 0

@@ -11,11 +11,12 @@ continuous batching (docs/serving.md).
                   static one is `t5forge.serve.batcher.Batcher`)
 """
 from t5forge.engine.offline import OfflineDecoder
-from t5forge.engine.scheduler import Engine, QueueTimeout, Row, RowOutput, ShutDown
+from t5forge.engine.scheduler import Engine, QueueTimeout, Row, RowOutput
 from t5forge.engine.slots import (TOP_LOGPROBS, InsertRow, Slots, SlotState, StepOut,
                                   check_fits, free_memory_bytes)
-from t5forge.engine.worker import Cancelled, Closed, QueueFull, QueueWorker, compile_count
+from t5forge.engine.worker import (Cancelled, Closed, QueueFull, QueueWorker, ShutDown,
+                                   WorkerDied, compile_count)
 
 __all__ = ["Cancelled", "Closed", "Engine", "InsertRow", "OfflineDecoder", "QueueFull", "QueueTimeout", "Row",
            "QueueWorker", "RowOutput", "ShutDown", "SlotState", "Slots", "StepOut", "TOP_LOGPROBS",
-           "check_fits", "compile_count", "free_memory_bytes"]
+           "WorkerDied", "check_fits", "compile_count", "free_memory_bytes"]

@@ -15,6 +15,13 @@ every slot); hand each row its new tokens; finish rows that generated a stop id,
 cancelled, and free their slots for the next loop. A request that arrives while others
 decode waits at most one step for its slot, not for their whole batch.
 
+Failures stay with the rows they belong to (`worker.QueueWorker` settles every row once):
+a row whose `on_tokens` (or its share of a step's output) raises ends with an
+`InternalError` (the traceback logged under its id); an insert that fails fails the rows
+it encoded; a step that fails fails every row in flight, and the slot state is rebuilt
+(`Slots.reset`: a failed call may have consumed its donated buffers). Only what fails
+outside those (the loop's own bookkeeping, or a reset) ends the worker.
+
 Closed-loop clients (each sends its next request when its last one is answered) would
 come back just after the next step started, and their slots would sit empty for that
 whole step. When recent rows did arrive that soon after rows ended, the loop that follows
@@ -35,15 +42,13 @@ import jax
 import numpy as np
 
 from t5forge.engine.slots import InsertRow, Slots
-from t5forge.engine.worker import Cancelled, QueueWorker
+from t5forge.engine.worker import Cancelled, QueueWorker, ShutDown
+from t5forge.errors import InternalError, UserError, internal_error
 
 
 class QueueTimeout(Exception):
   """The row waited longer than `max_queue_wait_s` for a slot."""
 
-
-class ShutDown(Exception):
-  """The row was still running when the shutdown timeout ended."""
 
 
 @dataclasses.dataclass
@@ -117,7 +122,6 @@ class Engine(QueueWorker):
     self.slots = slots
     self._running: dict[int, Row] = {}  # slot -> row
     self._release: set[int] = set()  # slots freed on the host, still active on the device
-    self._deadline: float | None = None  # shutdown: fail what still runs after this
     self.max_wait = max_wait_ms / 1000.0
     self._step_s = 0.0  # the last step call's seconds
     self._ended_at = collections.deque(maxlen=4)  # when the last steps that ended rows did
@@ -134,18 +138,10 @@ class Engine(QueueWorker):
     with self._cond:
       return len(self._running)
 
-  def drain(self, timeout: float | None = None) -> None:
-    """Starts the shutdown deadline (SIGTERM): with `timeout` (> 0), rows still waiting or
-    running after it fail with ShutDown. Rows are still taken until `close`: a request the
-    HTTP layer accepted before the signal must reach its slot. Returns at once."""
-    with self._cond:
-      if timeout and self._deadline is None:
-        self._deadline = time.monotonic() + timeout
-      self._cond.notify()
 
   def close(self, timeout: float | None = None) -> None:
-    """`drain(timeout)`, stops taking rows, then joins the worker once the queue and the
-    slots are empty."""
+    """`drain(timeout)` (rows still waiting or running after it fail with ShutDown),
+    stops taking rows, then joins the worker once the queue and the slots are empty."""
     self.drain(timeout)
     with self._cond:
       self._closing = True
@@ -155,7 +151,8 @@ class Engine(QueueWorker):
 
   def generate(self, rows: list[Row]) -> list[RowOutput]:
     """Runs rows to the end (the Python API and `t5forge infer`): they are fed to the
-    slots as slots free up. Raises the first row's exception."""
+    slots as slots free up. Raises the first row's exception (for an internal error, the
+    exception logged under its id)."""
     results: list = [None] * len(rows)
     left = threading.Semaphore(0)
     for i, r in enumerate(rows):
@@ -169,6 +166,8 @@ class Engine(QueueWorker):
       for _ in part:
         left.acquire()
     for res in results:
+      if isinstance(res, InternalError) and res.__cause__ is not None:
+        raise res.__cause__
       if isinstance(res, BaseException):
         raise res
     return results
@@ -180,6 +179,10 @@ class Engine(QueueWorker):
     if m is not None:
       m.running.set(len(self._running))
       m.slots_in_use.set(len(self._running) / self.slots.num_slots)
+
+  def _forget_rows(self) -> None:
+    self._running.clear()
+    self._release.clear()
 
   def _warmup(self) -> int:
     return self.slots.warmup()
@@ -277,13 +280,20 @@ class Engine(QueueWorker):
         jax.block_until_ready(self.slots.state.token)
         self.metrics.encode_seconds.observe(time.monotonic() - start)
     except Exception as e:  # noqa: BLE001
-      # A failed insert fails its rows (HTTP 500); the worker goes on serving.
+      # A failed insert fails its rows (HTTP 500, or 400 for bad input); the worker goes
+      # on serving.
+      err = e if isinstance(e, UserError) else internal_error(
+          e, f"encoding {len(admitted)} row(s) into their slots failed")
       with self._cond:
         for r, slot in admitted:
           self._running.pop(slot, None)
           self._release.add(slot)
       for r, _ in admitted:
-        r.done(e)
+        self._settle(r, err)
+      if not self.slots.sound():
+        # The call consumed the donated state: the other rows' caches are gone too.
+        self._restart_slots(err if isinstance(err, InternalError) else internal_error(
+            e, "encoding left the slot state unusable"))
 
   def _step(self) -> None:
     with self._cond:
@@ -294,13 +304,8 @@ class Engine(QueueWorker):
     start = time.monotonic()
     try:
       out = self.slots.step(free)
-    except Exception as e:  # noqa: BLE001
-      with self._cond:
-        for slot in running:
-          self._running.pop(slot, None)
-          self._release.add(slot)
-      for r in running.values():
-        r.done(e)
+    except Exception as e:  # noqa: BLE001 (no row to blame: all in flight fail, with one id)
+      self._restart_slots(internal_error(e, f"a decode step of {len(running)} row(s) failed"))
       return
     now = time.monotonic()
     self._step_s = now - start
@@ -313,38 +318,12 @@ class Engine(QueueWorker):
       if r.cancelled:
         finished.append((slot, r, Cancelled()))
         continue
-      emitted = out.emitted[slot]
-      n = int(emitted.sum())
-      if r.out is None:
-        r.out = RowOutput([], [], [], [], False)
-      toks = out.tokens[slot, :n].tolist()
-      stop = False
-      if n:
-        lps = out.logprobs[slot, :n].tolist()
-        tids = out.top_ids[slot, :n].tolist()
-        tlps = out.top_logprobs[slot, :n].tolist()
-        r.out.tokens += toks
-        r.out.logprobs += lps
-        r.out.top_ids += tids
-        r.out.top_logprobs += tlps
-        if m is not None:
-          if r.first_token_at is None:
-            m.time_to_first_token.observe(now - r.enqueued)
-          else:
-            m.inter_token_latency.observe((now - r.last_token_at) / n)
-        if r.first_token_at is None:
-          r.first_token_at = now
-        r.last_token_at = now
-        if r.on_tokens is not None:
-          try:
-            stop = bool(r.on_tokens(toks, lps, tids, tlps))
-          except Exception as e:  # noqa: BLE001
-            finished.append((slot, r, e))
-            continue
-      ended = bool(n) and not r.ignore_eos and self._is_stop(toks[-1])
-      if ended or stop or len(r.out.tokens) >= r.max_new_tokens or (not n):
-        r.out.finished = ended
-        finished.append((slot, r, r.out))
+      try:
+        result = self._take_tokens(r, out, slot, now)
+      except Exception as e:  # noqa: BLE001 (this row's callback or output: it alone fails)
+        result = internal_error(e, "handing a row its new tokens (on_tokens) failed")
+      if result is not None:
+        finished.append((slot, r, result))
     with self._cond:
       for slot, _, _ in finished:
         self._running.pop(slot, None)
@@ -353,11 +332,58 @@ class Engine(QueueWorker):
     for _, r, result in finished:
       if isinstance(result, Cancelled) and m is not None:
         m.cancelled.labels("running").inc()
-      r.done(result)
+      self._settle(r, result)
     answered = sum(1 for _, _, result in finished if isinstance(result, RowOutput))
     if answered:  # the answers are out: their clients' next rows may follow
       self._ended_at.append(time.monotonic())
       self._ended = answered
+
+  def _restart_slots(self, err: InternalError) -> None:
+    """Fails every row in flight with `err` and rebuilds the slot state (every slot
+    free). A reset that fails ends the worker (`QueueWorker._die`)."""
+    with self._cond:
+      rows = list(self._running.values())
+      self._running.clear()
+      self._release.clear()
+      self._gauges()
+    for r in rows:
+      self._settle(r, err)
+    self.slots.reset()
+
+  def _take_tokens(self, r: Row, out, slot: int, now: float) -> RowOutput | None:
+    """Hands row `r` its tokens of the step's `StepOut` `out` (arrays [slots, k]: slot
+    `slot`'s row); -> its `RowOutput` once it ended (a stop id, max_new_tokens, a stop
+    string or no token), else None."""
+    m = self.metrics
+    emitted = out.emitted[slot]
+    n = int(emitted.sum())
+    if r.out is None:
+      r.out = RowOutput([], [], [], [], False)
+    toks = out.tokens[slot, :n].tolist()
+    stop = False
+    if n:
+      lps = out.logprobs[slot, :n].tolist()
+      tids = out.top_ids[slot, :n].tolist()
+      tlps = out.top_logprobs[slot, :n].tolist()
+      r.out.tokens += toks
+      r.out.logprobs += lps
+      r.out.top_ids += tids
+      r.out.top_logprobs += tlps
+      if m is not None:
+        if r.first_token_at is None:
+          m.time_to_first_token.observe(now - r.enqueued)
+        else:
+          m.inter_token_latency.observe((now - r.last_token_at) / n)
+      if r.first_token_at is None:
+        r.first_token_at = now
+      r.last_token_at = now
+      if r.on_tokens is not None:
+        stop = bool(r.on_tokens(toks, lps, tids, tlps))
+    ended = bool(n) and not r.ignore_eos and self._is_stop(toks[-1])
+    if ended or stop or len(r.out.tokens) >= r.max_new_tokens or (not n):
+      r.out.finished = ended
+      return r.out
+    return None
 
   def _is_stop(self, token: int) -> bool:
     stops = self.slots.stop_ids

@@ -236,6 +236,12 @@ class Slots:
     zeros = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), self._abstract_state())
     self.state = jax.device_put(zeros, self._state_shardings())
 
+  def sound(self) -> bool:
+    """Whether the state can be used: made, and none of its buffers consumed by a call
+    that took them donated and then failed."""
+    return self.state is not None and not any(
+        x.is_deleted() for x in jax.tree.leaves(self.state))
+
   # -- compiled functions ---------------------------------------------------------------------
   def _insert_fn(self, params, state: SlotState, tokens, at, limit, temperature, top_k, top_p,
                  seed, sample, min_tokens, ignore_eos, adapter) -> SlotState:

@@ -16,7 +16,7 @@ from fastapi import responses
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from t5forge.serve import api, auth, routes
-from t5forge.serve.service import Service, error_response
+from t5forge.serve.service import Service, client_error, error_response
 
 __all__ = ["Service", "create_app"]
 
@@ -65,7 +65,8 @@ async def _http_error(request, e):
 
 
 async def _internal(_request, e: Exception):
-  return error_response(500, f"internal error: {type(e).__name__}: {e}", type_="server_error")
+  # The id only: the traceback is logged under it (client_error).
+  return await _api_error(_request, client_error(e))
 
 
 # -- every request --------------------------------------------------------------------------
@@ -98,9 +99,10 @@ async def _guard(request: fastapi.Request, call_next):
     except api.ApiError as e:  # a 429 of the limiter
       resp = error_response(e.status, e.message, param=e.param, type_=e.type, code=e.code,
                             headers=e.headers)
-    except Exception as e:  # noqa: BLE001
-      resp = error_response(500, f"internal error: {type(e).__name__}: {e}",
-                            type_="server_error")
+    except Exception as e:  # noqa: BLE001 (any bug: an id'd 500, its traceback in the log)
+      err = client_error(e)
+      resp = error_response(err.status, err.message, param=err.param, type_=err.type,
+                            code=err.code, headers=err.headers)
   s.metrics.requests.labels(route, str(resp.status_code)).inc()
   # A stream observes its own latency when it ends (completions.py).
   if not getattr(request.state, "streaming", False):

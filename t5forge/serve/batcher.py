@@ -37,15 +37,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-from t5forge.engine import Cancelled, QueueWorker
-
-
+from t5forge.engine import Cancelled, QueueWorker, ShutDown
+from t5forge.errors import internal_error
 
 
 @dataclasses.dataclass
 class Row:
   """One prompt of a request. `done(result_or_exception)` and `on_chunk` are called from
-  the worker thread.
+  the worker thread; one that raises fails its own row only (`worker.QueueWorker`).
 
   Attributes:
     group: what the row may batch with (see the module docstring).
@@ -143,7 +142,10 @@ class Batcher(QueueWorker):
     self._seeds = itertools.count(random.SystemRandom().randrange(2 ** 30))
 
   def close(self, timeout: float | None = None) -> None:
-    """Stops taking rows, finishes the waiting and running ones, joins the worker."""
+    """`drain(timeout)` (rows still waiting after it fail with ShutDown; a batch already
+    running finishes its call), stops taking rows, joins the worker (at most `timeout`
+    s)."""
+    self.drain(timeout)
     with self._cond:
       self._closing = True
       self._cond.notify()
@@ -180,17 +182,23 @@ class Batcher(QueueWorker):
 
   def _take(self) -> list[Row] | None:
     """Blocks for the next batch: rows of the oldest row's group (None: closed and empty).
-    Rows whose client left are dropped, never run."""
+    Rows whose client left are dropped, never run; so are those still waiting after the
+    shutdown deadline (`drain`)."""
     while True:
       with self._cond:
         gone = self._drop_cancelled()
-        if not gone:
+        late = []
+        if self._deadline is not None and time.monotonic() >= self._deadline:
+          late, self._waiting = self._waiting, []
+          self._gauges()
+        if not gone and not late:
           while not self._waiting:
             if self._closing:
               return None
             self._cond.wait()
           break
       self._fail(gone, Cancelled(), "queued")
+      self._fail(late, ShutDown("the server shut down before this row started"), "shutdown")
     with self._cond:
       group = self._waiting[0].group
       # The wait counts from when the model became free, not from when the oldest row
@@ -226,12 +234,13 @@ class Batcher(QueueWorker):
       else:
         results = self._generate(rows)
     except Exception as e:  # noqa: BLE001
-      # One failed call fails its rows (HTTP 500); the worker goes on serving.
+      # One failed call fails its rows (HTTP 500, one error id); the worker goes on.
+      err = internal_error(e, f"a batch of {len(rows)} row(s) failed")
       for r in rows:
-        r.done(e)
+        self._settle(r, err)
       return
     for r, res in zip(rows, results):
-      r.done(res)
+      self._settle(r, res)
 
   def _inputs(self, rows: list[Row], size: int) -> np.ndarray:
     eos = self.generator.eos_id
@@ -252,7 +261,7 @@ class Batcher(QueueWorker):
     ids[:len(rows)] = [r.adapter for r in rows]
     return {"adapters": ids}
 
-  def _generate(self, rows: list[Row]) -> list[RowResult]:
+  def _generate(self, rows: list[Row]) -> list:
     b = len(rows)
     size = bucket(list(self.buckets.batch), b)
     inputs = self._inputs(rows, size)
@@ -270,10 +279,16 @@ class Batcher(QueueWorker):
         min_log_prob[i] = -np.inf if r.min_log_prob is None else r.min_log_prob
     seed = rows[0].seed if rows[0].seed is not None else next(self._seeds)
     streaming = [(i, r.on_chunk) for i, r in enumerate(rows) if r.on_chunk is not None]
+    broken = {}  # row -> the InternalError its on_chunk raised: it alone fails
 
     def on_chunk(tokens, lengths, finished):
       for i, fn in streaming:
-        fn(np.array(tokens[i]), np.array(lengths[i]), np.array(finished[i]))
+        if i in broken:
+          continue
+        try:
+          fn(np.array(tokens[i]), np.array(lengths[i]), np.array(finished[i]))
+        except Exception as e:  # noqa: BLE001 (one row's callback never fails the batch)
+          broken[i] = internal_error(e, "a row's on_chunk callback raised")
 
     g = self.generator.generate(rows[0].kind, inputs, decode_length=length,
                                 max_new_tokens=max_new, temperature=temperature, topp=topp,
@@ -282,10 +297,11 @@ class Batcher(QueueWorker):
                                 on_chunk=on_chunk if streaming else None,
                                 **self._adapters(rows, size))
     pick = lambda a, i: None if a is None else np.asarray(a[i])
-    return [RowResult(tokens=np.asarray(g.tokens[i]), scores=np.asarray(g.scores[i]),
-                      token_logprobs=pick(g.token_logprobs, i), top_ids=pick(g.top_ids, i),
-                      top_logprobs=pick(g.top_logprobs, i), lengths=np.asarray(g.lengths[i]),
-                      finished=np.asarray(g.finished[i])) for i in range(b)]
+    return [broken.get(i) or RowResult(
+        tokens=np.asarray(g.tokens[i]), scores=np.asarray(g.scores[i]),
+        token_logprobs=pick(g.token_logprobs, i), top_ids=pick(g.top_ids, i),
+        top_logprobs=pick(g.top_logprobs, i), lengths=np.asarray(g.lengths[i]),
+        finished=np.asarray(g.finished[i])) for i in range(b)]
 
   def _score(self, rows: list[Row]) -> list[RowResult]:
     size = bucket(list(self.buckets.batch), len(rows))

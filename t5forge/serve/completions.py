@@ -12,7 +12,9 @@ choices as `text_completion` or as `chat.completion`.
 The worker threads turn tokens into text deltas (`text.ChoiceText`); a row whose text
 hit a stop sequence is finished at once. Streamed deltas reach the response through an
 asyncio queue. A client that leaves (streaming or not) cancels its rows: a queued row is
-never encoded, a running one frees its slot.
+never encoded, a running one frees its slot; so does a request past --request_timeout_s
+(a 504, or a stream's last event). A failed row is `service.client_error`'s answer (a
+stream: its error object as the last event), never the exception's own text.
 
 Shape letters: n decodes per prompt, l the decode length, k top log-probs.
 """
@@ -30,7 +32,7 @@ from fastapi import responses
 from t5forge import engine as engine_lib
 from t5forge.serve import api, compat
 from t5forge.serve import batcher as batching
-from t5forge.serve.service import Service, resolver
+from t5forge.serve.service import Service, call_soon, client_error, resolver
 from t5forge.serve.text import Choice, ChoiceText, LogprobStream, logprobs
 
 
@@ -115,7 +117,7 @@ class _Choices:
 
   def _emit(self, index: int, delta: str, reason: str | None, lp=None) -> None:
     if self.events is not None and (delta or reason or (lp and lp["tokens"])):
-      self.loop.call_soon_threadsafe(self.events.put_nowait, (index, delta, reason, lp))
+      call_soon(self.loop, self.events.put_nowait, (index, delta, reason, lp))
 
   def tokens(self, indices: list[int], new_ids: list[int], lp_parts=None) -> bool:
     """New tokens of the choices `indices` (one decode), with (log-probs, top ids, top
@@ -133,11 +135,12 @@ class _Choices:
     return text.stopped or text.closed
 
   def done(self, indices: list[int], result) -> None:
-    """Settles the choices with a `Choice` or an exception."""
+    """Settles the choices with a `Choice` or an exception (a stream reads its events
+    only, not the futures)."""
     if isinstance(result, BaseException):
       if self.events is not None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait,
-                                       (indices[0], result, "error", None))
+        call_soon(self.loop, self.events.put_nowait, (indices[0], result, "error", None))
+        return
     else:
       text = self.texts[indices[0]]
       delta = text.finish()
@@ -146,8 +149,9 @@ class _Choices:
             self.lps[indices[0]].finish(len(text.final_text)))
       for i in indices:
         self._emit(i, delta, reason, lp)
-    for i in indices:
-      resolver(self.loop, self.futs[i])(result)
+    if self.events is None:
+      for i in indices:
+        resolver(self.loop, self.futs[i])(result)
 
 
 def _engine_rows(s: Service, req, plan: Plan, ids, ch: _Choices, adapter: int) -> list:
@@ -218,30 +222,6 @@ def _batcher_rows(s: Service, req, plan: Plan, ids, ch: _Choices, adapter: int) 
                              seed=req.seed, adapter=adapter,
                              on_chunk=on_chunk if ch.events is not None else None, done=done))
   return rows
-
-
-async def _await_or_leave(request: fastapi.Request, futs, rows) -> list | None:
-  """The futures' results; None (and the rows cancelled) if the client leaves first.
-
-  A task waits on the connection's next ASGI message, which is `http.disconnect` once
-  the body has been read: the rows are cancelled as soon as the client goes."""
-  async def left():
-    while (await request.receive())["type"] != "http.disconnect":
-      pass
-
-  gathered = asyncio.gather(*futs)
-  watcher = asyncio.ensure_future(left())
-  try:
-    await asyncio.wait({gathered, watcher}, return_when=asyncio.FIRST_COMPLETED)
-  finally:
-    if not watcher.done():
-      watcher.cancel()
-  if gathered.done():
-    return gathered.result()
-  for r in rows:
-    r.cancel()
-  gathered.cancel()
-  return None
 
 
 async def complete(s: Service, request: fastapi.Request):
@@ -340,7 +320,7 @@ async def run(s: Service, request: fastapi.Request, req, ids: list[list[int]], s
         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
   try:
-    results = await _await_or_leave(request, ch.futs, rows)
+    results = await s.await_rows(request, ch.futs, rows, start=start)
   except BaseException:
     s.metrics.finish([])
     raise
@@ -375,23 +355,28 @@ def _generated(ch: _Choices) -> int:
 async def _stream(s: Service, ch: _Choices, rows, shape: Shape, prompt_tokens: int,
                   start: float, charge):
   """OpenAI's SSE: (chat: a first delta with the role per choice) one `data: {...}` per
-  text delta of a choice (with its tokens' logprobs when asked), its finish_reason in a last chunk, (stream_options.include_usage:
-  a chunk with the usage and no choices) then `data: [DONE]`. A client that leaves cancels
-  the rows still running. `charge(tokens)` takes the output tokens from the caller's rate
-  limit at the end."""
+  text delta of a choice (with its tokens' logprobs when asked), its finish_reason in a
+  last chunk, (stream_options.include_usage: a chunk with the usage and no choices) then
+  `data: [DONE]`. A failed row, or --request_timeout_s, ends it with one `data:
+  {"error": ...}` event instead. A client that leaves cancels the rows still running.
+  `charge(tokens)` takes the output tokens from the caller's rate limit at the end."""
   left = len(ch.texts)
   reasons = []
+  deadline = s.deadline(start)
   try:
     if shape.chat:
       for i in range(left):
         yield shape.chunk(i, None, None)
     while left:
-      index, delta, reason, lp = await ch.events.get()
+      try:
+        async with asyncio.timeout(None if deadline is None else
+                                   max(0.0, deadline - time.monotonic())):
+          index, delta, reason, lp = await ch.events.get()
+      except TimeoutError:
+        yield "data: " + json.dumps(s.timed_out().body()) + "\n\n"
+        return
       if reason == "error":
-        e = delta
-        yield "data: " + json.dumps({"error": {"message": f"{type(e).__name__}: {e}",
-                                               "type": "server_error", "param": None,
-                                               "code": None}}) + "\n\n"
+        yield "data: " + json.dumps(client_error(delta).body()) + "\n\n"
         return
       if reason is not None:
         left -= 1

@@ -27,9 +27,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import time
 from typing import Literal
 
 import fastapi
+from fastapi import responses
 import jax.numpy as jnp
 import numpy as np
 import pydantic
@@ -191,8 +193,9 @@ def serialize(vector: np.ndarray, encoding_format: str, embed_dtype: str):
   return base64.b64encode(flat.tobytes()).decode("ascii")
 
 
-async def create(s: Service, request: fastapi.Request) -> dict:
+async def create(s: Service, request: fastapi.Request) -> dict | responses.Response:
   """The route's body: parse, check, one EMBED row per input, await, pool, answer."""
+  start = time.monotonic()
   req = api.parse(EmbeddingRequest, await s.read_body(request),
                   request.headers.get("content-type"))
   adapter = s.check_model(req.model)  # an adapter's encoder embeds
@@ -209,7 +212,9 @@ async def create(s: Service, request: fastapi.Request) -> dict:
   tokens = sum(inputs.counts)
   s.metrics.prompt_tokens.inc(tokens)
   s.charge(request, tokens)  # the key's --tokens_per_minute
-  results = await asyncio.gather(*futs)
+  results = await s.await_rows(request, futs, rows, start=start)
+  if results is None:
+    return responses.Response(status_code=499)  # nobody reads it: the client left
   data = [{"object": "embedding", "index": i,
            "embedding": serialize(pool(r.hidden, n, req.pooling, req.normalize),
                                   req.encoding_format, req.embed_dtype)}

@@ -9,7 +9,8 @@ from `request.app.state.service` (set by `app.create_app`).
     POST /v1/embeddings    OpenAI's embeddings from the encoder (+ pooling, padding)
     GET  /v1/models        the served model and its --adapter LoRA adapters (+ max_input_tokens,
                            max_output_tokens; an adapter's `parent` is the base)
-    GET  /health           503 until the buckets are compiled (and while draining), then 200
+    GET  /health           503 until the buckets are compiled, while draining, and once a
+                           worker died (the process then exits), else 200
     GET  /readyz           the same as /health (Kubernetes' readiness probe)
     GET  /livez            200 as soon as the app runs, compiling or draining (liveness)
     GET  /version          {"version": t5forge's version}
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import fastapi
 from fastapi import responses
@@ -27,7 +29,7 @@ from fastapi import responses
 import t5forge
 from t5forge.serve import api, batcher as batching, chat as chat_lib, completions as completions_lib
 from t5forge.serve import embeddings as embeddings_lib, tokens as tokens_lib
-from t5forge.serve.service import Service, error_response, resolver
+from t5forge.serve.service import Service, error_response, resolver, worker_died
 
 PAGE = os.path.join(os.path.dirname(__file__), "page.html")
 ROUTES = ("/v1/completions", "/v1/score", "/v1/models", "/health", "/metrics", "/",
@@ -56,15 +58,22 @@ async def version():
 @router.get("/health")
 async def health(request: fastapi.Request):
   s = service_of(request)
+  workers = s.workers()
+  died = next((w.died for w in workers if w.died is not None), None)
+  if died is not None:
+    e = worker_died(died)
+    return error_response(e.status, e.message, type_=e.type, code=e.code, headers=e.headers)
   if s.draining:
     return error_response(503, "draining: finishing the requests in flight",
                           type_="server_error", code="shutting_down",
                           headers={"Retry-After": "5"})
-  workers = s.workers()
-  failed = next((w.failed for w in workers if w.failed is not None), None)
-  if failed is not None:
-    return error_response(503, f"warm-up failed: {failed}", type_="server_error",
-                          code="failed")
+  if any(w.failed is not None for w in workers):
+    # What failed is in the server's log, not for whoever asks.
+    return error_response(503, "the warm-up failed; the server's log says why",
+                          type_="server_error", code="failed")
+  if any(w.ready.is_set() and not w.alive() for w in workers):
+    return error_response(503, "a worker thread is gone; the server is exiting",
+                          type_="server_error", code="worker_died")
   if not all(w.ready.is_set() for w in workers):
     return error_response(503, "compiling the buckets; not ready yet", type_="server_error",
                           code="loading", headers={"Retry-After": "2"})
@@ -108,6 +117,7 @@ async def page():
 @router.post("/v1/score")
 async def score(request: fastapi.Request):
   """Each (prompt, target) pair's summed log-likelihood, one batcher row per pair."""
+  start = time.monotonic()
   s = service_of(request)
   req = api.parse(api.ScoreRequest, await s.read_body(request),
                   request.headers.get("content-type"))
@@ -134,7 +144,9 @@ async def score(request: fastapi.Request):
   s.submit(rows)
   s.metrics.prompt_tokens.inc(n_tokens)
   s.charge(request, n_tokens)
-  results = await asyncio.gather(*futs)
+  results = await s.await_rows(request, futs, rows, start=start)
+  if results is None:
+    return responses.Response(status_code=499)  # nobody reads it: the client left
   return {"object": "list", "model": s.served_name(req.model),
           "data": [{"object": "score", "index": i, "log_likelihood": r.score}
                    for i, r in enumerate(results)],

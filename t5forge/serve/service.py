@@ -5,7 +5,12 @@ queue the rows, await their results).
 A request's rows are queued to the `Engine` (greedy and sampled completions, continuous
 batching) or to the `Batcher` (beam search, scoring, and everything with --scheduler
 static). Their worker threads call `resolver`'s callback with each row's result; the
-callback hands it to the request's asyncio future on the event loop.
+callback hands it to the request's asyncio future on the event loop. `await_rows` awaits
+them until the client leaves or --request_timeout_s ends.
+
+What a client is told of a failure is `client_error`'s: our own refusals as they are, and
+for anything unexpected only `internal error (id ID)`, the traceback going to the log
+under that id (`t5forge.errors.internal_error`).
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import fastapi
 from fastapi import responses
 
 from t5forge import engine as engine_lib
+from t5forge.errors import InternalError, UserError, internal_error
 from t5forge.serve import api, batcher as batching
 from t5forge.serve.metrics import Metrics
 
@@ -26,6 +32,47 @@ def error_response(status: int, message: str, **kw) -> responses.JSONResponse:
   """OpenAI's error body `{"error": {...}}` with `status`; kw as `api.ApiError`'s."""
   e = api.ApiError(status, message, **kw)
   return responses.JSONResponse(e.body(), status_code=status, headers=e.headers)
+
+
+def client_error(e: BaseException) -> api.ApiError:
+  """What the client is told of `e` (a row's result or a handler's exception): our own
+  refusals with their message, and for anything else a 500 naming only the error id its
+  traceback is logged under (logged here unless a worker did already)."""
+  if isinstance(e, api.ApiError):
+    return e
+  if isinstance(e, engine_lib.Cancelled):  # nobody reads it: the client left
+    return api.ApiError(499, "the client left before the answer", code="cancelled")
+  if isinstance(e, engine_lib.QueueTimeout):
+    return api.ApiError(503, "no decode slot came free within --max_queue_wait_s; retry "
+                        "later", type_="server_error", code="queue_timeout",
+                        headers={"Retry-After": "1"})
+  if isinstance(e, engine_lib.ShutDown):
+    return api.ApiError(503, str(e), type_="server_error", code="shutting_down",
+                        headers={"Retry-After": "5"})
+  if isinstance(e, engine_lib.WorkerDied):
+    return worker_died(e)
+  if isinstance(e, UserError):  # bad input found late: its one line, as at start-up
+    return api.ApiError(400, str(e).splitlines()[0], code="invalid_value")
+  if not isinstance(e, InternalError):
+    e = internal_error(e, "a request failed")
+  return api.ApiError(500, str(e), type_="server_error", code="internal_error")
+
+
+def worker_died(e: engine_lib.WorkerDied) -> api.ApiError:
+  """The 503 of a request a dead worker cannot serve: the process is exiting, to be
+  restarted by its supervisor."""
+  return api.ApiError(503, f"{e}; the server is exiting to be restarted, retry shortly",
+                      type_="server_error", code="worker_died", headers={"Retry-After": "5"})
+
+
+def call_soon(loop, fn, *args) -> None:
+  """`loop.call_soon_threadsafe(fn, *args)` from a worker thread, dropped once the loop
+  is closed (an in-process application's requests and their clients are gone then)."""
+  if not loop.is_closed():
+    try:
+      loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # closed between the check and the call
+      pass
 
 
 @dataclasses.dataclass
@@ -54,6 +101,7 @@ class Service:
   keys: Any = None            # auth.Keys (--api_key, --api_key_file), or None: open
   limiter: Any = None         # auth.Limiter (--requests_per_second, --tokens_per_minute)
   body_timeout_s: float = 30.0  # a body not read whole by then is a 408 (--body_timeout_s)
+  request_timeout_s: float = 0.0  # a request running longer is a 504 (0: no limit)
   # --adapter: {name: index in the stacked LoRA weights, >= 1}; 0 is the base model.
   adapters: dict = dataclasses.field(default_factory=dict)
 
@@ -157,6 +205,8 @@ class Service:
       raise api.ApiError(503, f"the queue is full ({worker.max_queue} rows wait); "
                          "retry later", type_="server_error", code="queue_full",
                          headers={"Retry-After": "1"}) from None
+    except engine_lib.WorkerDied as e:
+      raise worker_died(e) from None
     except engine_lib.Closed:
       raise api.ApiError(503, "the server is shutting down", type_="server_error",
                          code="shutting_down", headers={"Retry-After": "5"}) from None
@@ -165,21 +215,61 @@ class Service:
     """The worker threads' owners: the batcher, and the engine when there is one."""
     return [self.batcher] + ([self.engine] if self.engine is not None else [])
 
+  def deadline(self, start: float) -> float | None:
+    """The monotonic time a request that arrived at `start` must be answered by (None:
+    no --request_timeout_s)."""
+    return start + self.request_timeout_s if self.request_timeout_s else None
+
+  def timed_out(self) -> api.ApiError:
+    """The 504 of a request past --request_timeout_s (its rows are cancelled)."""
+    return api.ApiError(504, f"the request ran past {self.request_timeout_s:g} s "
+                        "(--request_timeout_s); ask for fewer tokens or retry later",
+                        type_="server_error", code="request_timeout")
+
+  async def await_rows(self, request: fastapi.Request, futs, rows, *,
+                       start: float) -> list | None:
+    """The futures' results; None (and the rows cancelled) if the client leaves first;
+    the 504 of `timed_out` (the rows cancelled: they leave the queue, or their slots
+    within a step) once the request that arrived at `start` is past
+    --request_timeout_s.
+
+    A task waits on the connection's next ASGI message, which is `http.disconnect` once
+    the body has been read: the rows are cancelled as soon as the client goes."""
+    async def left():
+      while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+    gathered = asyncio.gather(*futs)
+    watcher = asyncio.ensure_future(left())
+    deadline = self.deadline(start)
+    try:
+      await asyncio.wait({gathered, watcher}, return_when=asyncio.FIRST_COMPLETED,
+                         timeout=None if deadline is None else
+                         max(0.0, deadline - time.monotonic()))
+    finally:
+      if not watcher.done():
+        watcher.cancel()
+    if gathered.done():
+      return gathered.result()
+    for r in rows:
+      r.cancel()
+    gathered.cancel()
+    if watcher.done() and not watcher.cancelled():
+      return None
+    raise self.timed_out()
+
 
 def resolver(loop, fut):
-  """A row's `done` callback (called on the batcher's thread) that settles `fut` with the
-  result or the exception on `loop`, unless the request already went away."""
+  """A row's `done` callback (called on a worker thread) that settles `fut` on `loop`
+  with the result, or with `client_error` of the exception, unless the request already
+  went away."""
   def done(result):
     def put():
       if fut.done():
         return
-      if isinstance(result, engine_lib.QueueTimeout):
-        fut.set_exception(api.ApiError(
-            503, "no decode slot came free within --max_queue_wait_s; retry later",
-            type_="server_error", code="queue_timeout", headers={"Retry-After": "1"}))
-      elif isinstance(result, BaseException):
-        fut.set_exception(result)
+      if isinstance(result, BaseException):
+        fut.set_exception(client_error(result))
       else:
         fut.set_result(result)
-    loop.call_soon_threadsafe(put)
+    call_soon(loop, put)
   return done
