@@ -21,7 +21,8 @@ LAYERS = [
     {"generation", "predict", "engine"},
     {"models", "opener"},
     {"nn", "data", "convert", "decoding", "losses", "presets", "precision", "provenance"},
-    {"sharding", "errors", "files", "metrics", "multihost", "host_memory", "storage"},
+    {"sharding", "errors", "files", "metrics", "multihost", "host_memory", "storage",
+     "sampling"},
 ]
 # (importer, imported) pairs allowed inside one layer.
 SAME_LAYER = {
