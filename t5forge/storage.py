@@ -31,10 +31,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import errno
 import glob as globlib
 import hashlib
 import os
-import re
 import shutil
 import tempfile
 import threading
@@ -222,6 +222,20 @@ def _one_try_gcs(module):
     undecorated = {name: getattr(base, name).__wrapped__
                    for name in ("_request", "_get_file_request", "_get_file_concurrent")
                    if hasattr(getattr(base, name, None), "__wrapped__")}
+    request = undecorated.get("_request", base._request)  # noqa: SLF001 (gcsfs's own method)
+
+    async def typed_request(self, *args, **kwargs):
+      try:
+        return await request(self, *args, **kwargs)
+      except OSError as e:
+        # gcsfs raises a 403 as a plain OSError whose text is "Forbidden: <path>..." (its
+        # validate_response; no status kept): a PermissionError from here on, so that
+        # everything after classifies it by type.
+        if type(e) is OSError and e.errno is None and str(e).startswith("Forbidden: "):
+          raise PermissionError(str(e)) from e
+        raise
+
+    undecorated["_request"] = typed_request
     _ONE_TRY_GCS.append(type("OneTryGCSFileSystem", (base,), undecorated))
   return _ONE_TRY_GCS[0]
 
@@ -254,28 +268,82 @@ def _retries() -> int:
     raise UserError("T5FORGE_STORAGE_RETRIES: expected a whole number of tries, e.g. 4")
 
 
+# Statuses GCS and S3 ask to be retried with backoff.
+_TRANSIENT_STATUS = frozenset((408, 429, 500, 502, 503, 504))
+# The clients' network errors that are not builtin ConnectionError / TimeoutError.
+_TRANSIENT_TYPES = frozenset((
+    "ClientConnectorError", "ServerDisconnectedError", "ClientOSError", "ClientPayloadError",
+    "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError",
+    "ProxyError",  # gcsfs's form of a 502
+))
+_TRANSIENT_ERRNO = frozenset((errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED,
+                              errno.ETIMEDOUT, errno.EPIPE, errno.EHOSTUNREACH,
+                              errno.ENETUNREACH))
+
+
+class PreconditionFailed(Exception):
+  """A conditional request (`write_if`, `remove_if`) whose condition did not hold: the
+  object is not, or no longer, at the version given.
+
+  `status` is the HTTP status that said so: 412 (another version is there, or on GCS none
+  is), 404 (S3: the object is gone), 409 (S3: another conditional write to it was in flight).
+  """
+
+  def __init__(self, url: str, status: int):
+    super().__init__(f"{url}: the object is not at the version this write was made for "
+                     f"(HTTP {status})")
+    self.url, self.status = url, status
+
+
+def _chain(e: BaseException | None) -> Iterator[BaseException]:
+  """`e` and the errors it was raised from (the clients wrap their HTTP errors)."""
+  seen = set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    yield e
+    e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+
+
+def status_of(e: BaseException) -> int | None:
+  """The HTTP status a bucket client's error carries (gcsfs's HttpError.code, botocore's
+  ClientError response, aiohttp's ClientResponseError.status), on it or on the error it
+  was raised from; None for an error without one (the network). Never read from the
+  error's text: an object called checkpoint_4120 is not a 412."""
+  for err in _chain(e):
+    response = getattr(err, "response", None)
+    if isinstance(response, dict):
+      status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+      if isinstance(status, int):
+        return status
+    for name in ("code", "status"):
+      value = getattr(err, name, None)
+      if isinstance(value, int) and not isinstance(value, bool) and 100 <= value < 600:
+        return value
+  return None
+
+
+def s3_error_code(e: BaseException) -> str | None:
+  """S3's error code ('NoSuchBucket', 'AccessDenied', ...) of a botocore error, on it or on
+  the error it was raised from (s3fs wraps them in OSErrors); None otherwise."""
+  for err in _chain(e):
+    response = getattr(err, "response", None)
+    if isinstance(response, dict) and isinstance(response.get("Error"), dict):
+      return response["Error"].get("Code")
+  return None
+
+
 def _is_transient(e: BaseException) -> bool:
   if isinstance(e, (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError,
-                    NotADirectoryError, UserError)):
+                    NotADirectoryError, UserError, PreconditionFailed)):
     return False
-  name = type(e).__name__
-  if name in ("ClientConnectorError", "ServerDisconnectedError", "ClientOSError",
-              "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
-              "ConnectionClosedError", "ClientPayloadError", "TimeoutError"):
-    return True
+  # Before the status: S3's RequestTimeout is an HTTP 400 that s3fs raises as a TimeoutError.
   if isinstance(e, (ConnectionError, TimeoutError)):
     return True
-  text = _words(e)
-  # GCS and S3 ask for a retry with backoff on 408, 429 and 5xx.
-  return bool(re.search(r"\b(408|429|500|502|503|504)\b", text)) or any(
-      w in text for w in ("connect", "timed out", "timeout", "reset by peer",
-                          "service unavailable", "slowdown", "too many requests"))
-
-
-def _words(e: BaseException) -> str:
-  """The error's text, lower case, without the URLs in it: a status code is never read
-  out of an object name or a port ('.../checkpoint_4030', '127.0.0.1:40373')."""
-  return re.sub(r"\S*://\S*", " ", str(e).lower())
+  status = status_of(e)
+  if status is not None:
+    return status in _TRANSIENT_STATUS
+  return any(type(err).__name__ in _TRANSIENT_TYPES or (
+      isinstance(err, OSError) and err.errno in _TRANSIENT_ERRNO) for err in _chain(e))
 
 
 def _describe_error(e: BaseException) -> str:
@@ -283,25 +351,29 @@ def _describe_error(e: BaseException) -> str:
   return text[:200]
 
 
-def _user_error(url: str, op: str, e: BaseException) -> Exception:
+def no_bucket(url: str) -> StorageError:
+  """The one-line error for a bucket URL whose bucket does not exist."""
   s, bucket, _ = split(url)
-  low = _words(e)
-  if "nosuchbucket" in low or "bucket does not exist" in low or (
-      "not found" in low and "bucket" in low) or "the specified bucket" in low:
-    return StorageError(f"{s}://{bucket}: the bucket does not exist; create it or fix the "
-                        f"name in {url}")
+  return StorageError(f"{s}://{bucket}: the bucket does not exist; create it or fix the "
+                      f"name in {url}")
+
+
+def _user_error(url: str, op: str, e: BaseException) -> Exception:
+  s = scheme(url)
+  code = s3_error_code(e)
+  if code == "NoSuchBucket":
+    return no_bucket(url)
   if isinstance(e, FileNotFoundError):  # a missing object, said by the caller
     return e
   # s3fs turns AccessDenied / InvalidAccessKeyId / SignatureDoesNotMatch into a
-  # PermissionError whose text no longer names the code.
-  if isinstance(e, PermissionError) or re.search(r"\b(401|403)\b", low) or any(
-      w in low for w in ("accessdenied", "access denied", "forbidden",
-                         "invalidaccesskeyid", "signaturedoesnotmatch", "permission")):
+  # PermissionError; gcsfs's 403 is one too (`_one_try_gcs`).
+  if isinstance(e, PermissionError) or status_of(e) in (401, 403) or code in (
+      "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
     var = ("GOOGLE_APPLICATION_CREDENTIALS" if s == "gs"
            else "AWS_PROFILE or AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
     return StorageError(f"{url}: {op} refused ({_describe_error(e)}); check the credentials "
                         f"in {var}")
-  if "nocredentials" in type(e).__name__.lower() or "unable to locate credentials" in low:
+  if any(type(err).__name__ == "NoCredentialsError" for err in _chain(e)):
     return StorageError(f"{url}: no AWS credentials; set AWS_ACCESS_KEY_ID and "
                         "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE")
   return e
@@ -425,18 +497,21 @@ def walk_files(path: str) -> dict[str, dict]:
   return out
 
 
-def _version_of(entry: dict) -> str:
+def _version_of(entry: dict) -> str | None:
+  """The object's GCS generation or S3 ETag; None when the listing gave neither (nothing
+  then tells one version of the object from the next: callers say what they do)."""
   for k in ("generation", "ETag", "etag", "VersionId"):
     v = entry.get(k)
     if v:
       return str(v).strip('"')
-  return f"{entry.get('size')}-{entry.get('LastModified') or entry.get('updated')}"
+  return None
 
 
 def info(path: str) -> dict:
   """{'size', 'version', 'mtime'} of one file or object; FileNotFoundError when absent.
   `version` is the GCS generation, the S3 ETag, or mtime+size on disk; `mtime` is seconds
-  since the epoch (the server's clock for an object)."""
+  since the epoch (the server's clock for an object). Either is None for an object whose
+  server did not give it: never made up from the size or this machine's clock."""
   if not is_remote(path):
     st = os.stat(path)
     return {"size": st.st_size, "version": f"{st.st_mtime_ns}-{st.st_size}",
@@ -449,7 +524,10 @@ def info(path: str) -> dict:
   when = entry.get("updated") or entry.get("LastModified") or entry.get("mtime")
   if isinstance(when, str):
     when = datetime.datetime.fromisoformat(when.replace("Z", "+00:00"))
-  mtime = when.timestamp() if hasattr(when, "timestamp") else time.time()
+  if isinstance(when, (int, float)) and not isinstance(when, bool):
+    mtime = float(when)
+  else:
+    mtime = when.timestamp() if hasattr(when, "timestamp") else None
   return {"size": int(entry.get("size") or 0), "version": _version_of(entry), "mtime": mtime}
 
 
@@ -501,24 +579,105 @@ def open_read(path: str, binary: bool = True):
 def write_bytes(path: str, data: bytes, *, exclusive: bool = False) -> None:
   """`data` as the object `path`, in one request (a reader sees all of it or the old one).
 
-  `exclusive=True` creates it only if absent (GCS `ifGenerationMatch=0`, S3
-  `If-None-Match: *`) and raises FileExistsError otherwise. Local paths are not handled
-  here (`t5forge.files` writes those through a temp file and a rename).
+  `exclusive=True` creates it only if absent (`write_if` with no version) and raises
+  FileExistsError otherwise. Local paths are not handled here (`t5forge.files` writes
+  those through a temp file and a rename).
   """
+  if exclusive:
+    try:
+      write_if(path, data, version=None)
+    except PreconditionFailed:
+      raise FileExistsError(path) from None
+    return
   fs = filesystem(path)
-  kwargs = {"mode": "create"} if exclusive else {}
 
   def put():
-    try:
-      fs.pipe_file(_fs_path(path), data, **kwargs)
-    except Exception as e:
-      low = str(e).lower()
-      if exclusive and ("precondition" in low or "412" in low or "conditionalrequest" in low):
-        raise FileExistsError(path) from None
-      raise
+    fs.pipe_file(_fs_path(path), data)
     fs.invalidate_cache(_fs_path(path))
 
   call(path, "write", put)
+
+
+def write_if(path: str, data: bytes, *, version: str | None) -> str:
+  """`data` as the object `path`, only if the object is now at `version` (a `version` of
+  `info`; None: only if there is no object), in one request; -> the new object's version.
+
+  The bucket decides, atomically (GCS `ifGenerationMatch`, S3 `If-Match` / `If-None-Match`):
+  PreconditionFailed when the object is at another version, or absent (present, for None).
+  A request whose reply was lost may have been made: its retry (`call`) then fails the
+  condition it met itself, so a PreconditionFailed after a network error is ambiguous and
+  the caller reads the object to know (the lock's token, `run_lock`).
+  """
+  fs = filesystem(path)
+  s, bucket, key = split(path)
+
+  def put() -> str:
+    try:
+      if s == "gs":
+        # A media upload: gcsfs's own uploads take no generation but 0 (create).
+        root = fs.base[:-len("storage/v1/")]
+        out = fs.call("POST", root + "upload/storage/v1/b/{}/o", bucket, uploadType="media",
+                      name=key, ifGenerationMatch="0" if version is None else version,
+                      headers={"Content-Type": "application/octet-stream"}, data=data,
+                      json_out=True)
+        new = out.get("generation")
+      else:
+        match = {"IfNoneMatch": "*"} if version is None else {"IfMatch": f'"{version}"'}
+        out = fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **match)
+        new = out.get("ETag")
+    except Exception as e:
+      _raise_condition(path, e, upload=True)
+      raise
+    finally:
+      fs.invalidate_cache(_fs_path(path))
+    if not new:
+      raise StorageError(f"{path}: the bucket's answer to a write has no generation or ETag; "
+                         "t5forge needs a service that reports them (GCS, S3, or one "
+                         "compatible with them)")
+    return str(new).strip('"')
+
+  return call(path, "write", put)
+
+
+def remove_if(path: str, version: str) -> None:
+  """Deletes the object `path` only if it is at `version` (GCS `ifGenerationMatch`, S3
+  `If-Match`); PreconditionFailed when it is at another one or gone (ambiguous after a
+  network error, as `write_if`)."""
+  fs = filesystem(path)
+  s, bucket, key = split(path)
+
+  def delete() -> None:
+    try:
+      if s == "gs":
+        fs.call("DELETE", "b/{}/o/{}", bucket, key, ifGenerationMatch=version)
+      else:
+        fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=f'"{version}"')
+    except Exception as e:
+      _raise_condition(path, e, upload=False)
+      raise
+    finally:
+      fs.invalidate_cache(_fs_path(path))
+
+  call(path, "delete", delete)
+
+
+def _raise_condition(url: str, e: BaseException, *, upload: bool) -> None:
+  """Raises what the error `e` of a conditional request on `url` means, when it is about
+  the condition or the bucket; returns otherwise (the caller re-raises `e`)."""
+  if scheme(url) == "gs":
+    # gcsfs raises its 412 as FileExistsError and its 404 as FileNotFoundError, by status.
+    if isinstance(e, FileExistsError):
+      raise PreconditionFailed(url, 412) from None
+    if isinstance(e, FileNotFoundError):
+      if upload:  # an upload names no object that could be missing: the bucket is
+        raise no_bucket(url) from None
+      raise PreconditionFailed(url, 404) from None
+    return
+  status, code = status_of(e), s3_error_code(e)
+  if code == "NoSuchBucket":
+    raise no_bucket(url) from None
+  if status in (404, 409, 412):
+    raise PreconditionFailed(url, status) from None
 
 
 def upload(local: str, url: str) -> None:
@@ -599,8 +758,7 @@ def check_bucket(url: str) -> None:
   try:
     call(url, "list", lambda: fs.ls(bucket, detail=False))
   except FileNotFoundError:
-    raise StorageError(f"{s}://{bucket}: the bucket does not exist; create it or fix the "
-                       f"name in {url}") from None
+    raise no_bucket(url) from None
   _checked_buckets.add((s, bucket))
 
 
@@ -674,6 +832,9 @@ def _cache_dir(url: str, version: str) -> str:
   return os.path.join(cache_root(), "buckets", s, bucket, key.replace("/", "_")[-80:] + "-" + digest)
 
 
+_UNVERSIONED = "unversioned"
+
+
 def local_copy(path: str) -> str:
   """A local path holding what `path` holds: `path` itself when local; for a bucket object
   or prefix, a copy under the cache, made once per object version (generation / ETag) and
@@ -688,22 +849,27 @@ def local_copy(path: str) -> str:
     files = walk_files(path)
     if not files:
       raise FileNotFoundError(path) from None
+  # An object without a generation / ETag (a server that gives none) cannot be told from
+  # its next version: it is downloaded again on every call, into one place per URL.
   if files is None:
-    target_dir = _cache_dir(path, entry["version"])
+    target_dir = _cache_dir(path, entry["version"] or _UNVERSIONED)
     target = os.path.join(target_dir, basename(path))
-    if not os.path.exists(target):
+    if entry["version"] is None or not os.path.exists(target):
       download(path, target)
     return target
+  unversioned = any(f["version"] is None for f in files.values())
   listing = "\n".join(f"{n}\0{f['version']}" for n, f in sorted(files.items()))
-  target = _cache_dir(path, hashlib.sha256(listing.encode()).hexdigest())
+  target = _cache_dir(path, _UNVERSIONED if unversioned
+                      else hashlib.sha256(listing.encode()).hexdigest())
   done = os.path.join(target, ".t5forge-complete")
-  if not os.path.exists(done):
+  if unversioned or not os.path.exists(done):
     for name in sorted(files):
       local = os.path.join(target, *name.split("/"))
-      if not os.path.exists(local):
+      if unversioned or not os.path.exists(local):
         download(join(path, name), local)
-    with open(done, "w") as f:
-      f.write(listing)
+    if not unversioned:
+      with open(done, "w") as f:
+        f.write(listing)
   return target
 
 
@@ -781,11 +947,13 @@ class AppendMirror:
         upload(os.path.join(self.root, *relative.split("/")), join(self.url, relative))
         self._uploaded[relative] = meta["version"]
 
-  def close(self) -> None:
-    """A last `sync()`, then the working copy is removed (kept if the upload failed)."""
+  def close(self, *, upload: bool = True) -> None:
+    """A last `sync()` (none with `upload=False`), then the working copy is removed (kept
+    if the upload failed)."""
     if not self.remote:
       return
-    self.sync()
+    if upload:
+      self.sync()
     shutil.rmtree(self.root, ignore_errors=True)
 
 
