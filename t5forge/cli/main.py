@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
   except UserError as e:
     # gin appends "In call to configurable ..." lines; the first line is the message.
     print(f"t5forge: error: {str(e).splitlines()[0]}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(e.exit_code)
   except KeyboardInterrupt:
     print("t5forge: interrupted", file=sys.stderr)
     sys.exit(130)
