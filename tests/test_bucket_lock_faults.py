@@ -1,7 +1,7 @@
 """Faults around the bucket MODEL_DIR lock (gs:// and s3://, real emulators on 127.0.0.1).
 
-Each fault is injected where it happens in the field: at `storage.call`, the one place every
-request of the storage layer goes through (a rival's write landing between a run's look and
+Each fault is injected where it happens in the field: at `storage.clients.call`, the one place
+every bucket request of the storage layer goes through (a rival's write landing between a run's look and
 its write, a reply that times out after the object was written), or in the lock object
 itself. None of these tests trains: the runs that stop or resume are in
 tests/test_bucket_lock_runs.py.
@@ -17,6 +17,7 @@ import time
 import pytest
 
 from t5forge import storage
+from t5forge.storage import clients
 from t5forge.errors import UserError
 from t5forge.train import run_lock
 
@@ -49,11 +50,11 @@ def _wait_for(cond, timeout=30, what="condition"):
 
 
 def _intercept(monkeypatch, target, op, fault):
-  """Wraps `storage.call` for the requests of kind `op` ('write', 'delete', ...) on the object
-  `target`: `fault(fn)` runs in place of the request `fn` the first time one is made (it may
-  call `fn`, do something else first, raise); later ones and the fault's own requests pass
-  through. -> a list that holds True once the fault ran."""
-  real = storage.call
+  """Wraps `storage.clients.call` for the requests of kind `op` ('write', 'delete', ...) on
+  the object `target`: `fault(fn)` runs in place of the request `fn` the first time one is
+  made (it may call `fn`, do something else first, raise); later ones and the fault's own
+  requests pass through. -> a list that holds True once the fault ran."""
+  real = clients.call
   state = {"inside": False}
   ran = []
 
@@ -71,7 +72,7 @@ def _intercept(monkeypatch, target, op, fault):
 
     return real(url, what, faulty)
 
-  monkeypatch.setattr(storage, "call", call)
+  monkeypatch.setattr(clients, "call", call)
   return ran
 
 
