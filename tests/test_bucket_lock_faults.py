@@ -261,6 +261,29 @@ def test_a_dead_holder_on_this_host_is_taken_over_at_once(bucket_env, monkeypatc
     lock.release()
 
 
+def test_a_pid_given_to_another_process_is_not_taken_for_the_holder(bucket_env, monkeypatch):
+  # A restarted container runs the new process under the old one's pid, or gives that pid
+  # to something else: the token, and the process's start time, tell them apart.
+  emu, bucket = bucket_env
+  monkeypatch.setenv(run_lock.TIMEOUT_ENV, "600")
+  url = storage.join(bucket, "run")
+  _put_record(url, host=HOST, pid=os.getpid(), token="a-previous-process")
+  lock = run_lock.BucketLock(url)
+  assert f"pid {os.getpid()} on host {HOST}" in lock.acquire()
+  lock.release()
+  parent = os.getppid()  # alive: the process that started this one
+  with open(f"/proc/{parent}/stat", "rb") as f:
+    started = int(f.read().rpartition(b")")[2].split()[19])
+  _put_record(url, host=HOST, pid=parent, pid_start=started, token="theirs")
+  with pytest.raises(UserError, match=f"in use by pid {parent} on host {HOST}"):
+    run_lock.BucketLock(url).acquire()
+  _put_record(url, host=HOST, pid=parent, pid_start=started + 1, token="theirs")
+  lock = run_lock.BucketLock(url)
+  note = lock.acquire()
+  lock.release()
+  assert f"took over the lock of pid {parent} on host {HOST}" in note
+
+
 def test_the_host_name_can_be_set_for_containers_and_tests(bucket_env, monkeypatch):
   emu, bucket = bucket_env
   monkeypatch.setenv(run_lock.TIMEOUT_ENV, "600")

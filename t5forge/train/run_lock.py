@@ -374,11 +374,13 @@ class BucketLock(_Held):
     start = time.monotonic()
     seen: tuple[str, float] | None = None  # (version, when first seen) of the lock there
     logged = None
-    for _ in range(1000):  # each pass reads the lock again; a wait ends at its deadline
+    races = 0  # times another run changed the lock between this run's look and its write
+    while races < 50:  # each pass reads the lock again; a wait ends at its deadline
       current = self._read()
       if current is None:
         if self._create():
           return None
+        races += 1
         continue  # another run created it first: judge that one
       record, meta = current
       version = meta["version"]
@@ -406,9 +408,11 @@ class BucketLock(_Held):
           # Only the version judged: another run may have taken it over since.
           storage.remove_if(self.path, version)
         except storage.PreconditionFailed:
+          races += 1
           continue
         if self._create():
           return f"note: took over the lock of {_who(record)}, {why}"
+        races += 1
         continue
       # Held from another host, not stale yet: wait for it to go stale, up to wait_s.
       waited = now - start
