@@ -364,7 +364,8 @@ def run_gcs_emulator() -> None:
   bare emulator a checkpoint save fails now and then with "Malformed StorageGeneration",
   and an exclusive create (a lock) overwrites. This adds both, for single-request uploads
   (media and multipart, which is what TensorStore, gcsfs and google-cloud-storage send for
-  small objects) and downloads, before the emulator's routes are built.
+  small objects), downloads and deletes (a lock's conditional delete), before the
+  emulator's routes are built.
   """
   import threading as _threading  # noqa: PLC0415 - the emulator's process only
   from http import HTTPStatus  # noqa: PLC0415
@@ -447,7 +448,23 @@ def run_gcs_emulator() -> None:
       response["x-goog-metageneration"] = "1"
     return None
 
-  objects.insert, objects.download = insert, download
+  original_delete = objects.delete
+
+  def delete(request, response, storage, *args, **kwargs):
+    match = condition(request.query, "ifGenerationMatch")
+    if match is not None:
+      generation = generation_of(storage, request.params["bucket_name"],
+                                 request.params["object_id"])
+      if not generation:
+        response.status = HTTPStatus.NOT_FOUND
+        return None
+      if generation != match:
+        return failed_precondition(response)
+    return original_delete(request, response, storage, *args, **kwargs)
+
+  # (one request at a time: the emulator's HTTPServer is not threaded, so a condition
+  # checked here still holds when the handler writes)
+  objects.insert, objects.download, objects.delete = insert, download, delete
   _exact_multipart_uploads()
   from gcp_storage_emulator.__main__ import main  # noqa: PLC0415 - builds routes from `objects`
   main(sys.argv[1:])

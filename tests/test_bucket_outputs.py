@@ -465,7 +465,8 @@ def test_unknown_scheme_is_named(ckpt, tmp_path):
 
 def test_status_codes_are_not_read_out_of_urls(monkeypatch):
   """gcsfs says a missing object with its URL; an emulator port or an object name with 403
-  or 503 in it is not a refusal or an outage (a missing fingerprint read as 'refused')."""
+  or 503 in it is not a refusal or an outage (a missing fingerprint read as 'refused'):
+  statuses are read from the error's fields (`storage.status_of`), never its text."""
   monkeypatch.setenv("T5FORGE_STORAGE_RETRIES", "3")
   calls = []
 
@@ -484,8 +485,9 @@ def test_status_codes_are_not_read_out_of_urls(monkeypatch):
     storage.call("gs://x/run-503", "read", bad)
   assert len(calls) == 2  # neither was retried
 
-  def refused():
-    raise OSError("403 Forbidden: http://127.0.0.1:4000/b/x")
+  def refused():  # a 403 as the clients raise it: with its status (gcsfs's HttpError)
+    from gcsfs.retry import HttpError
+    raise HttpError({"code": 403, "message": "Forbidden: http://127.0.0.1:4000/b/x"})
 
   with pytest.raises(storage.StorageError, match=r"gs://x/y: read refused"):
     storage.call("gs://x/y", "read", refused)

@@ -119,7 +119,9 @@ def version_key(path: str) -> str:
   object's URL, size and generation / ETag."""
   if storage.is_remote(path):
     meta = storage.info(path)
-    return f"{storage.normalize(path)}|{meta['size']}|{meta['version']}"
+    # Without a generation / ETag (a server that gives none), its last-modified time.
+    version = meta["version"] if meta["version"] is not None else f"mtime-{meta['mtime']}"
+    return f"{storage.normalize(path)}|{meta['size']}|{version}"
   size, mtime = stamp(path)
   return f"{os.path.abspath(path)}|{size}|{mtime}"
 

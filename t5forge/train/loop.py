@@ -129,7 +129,7 @@ def train(*, model: BaseModel, model_dir: str, train_dataset_cfg: DatasetConfig,
           random_seed: int | None = 0, early_stopping: EarlyStopping | None = None,
           run_eval_before_training: bool = False, operative_config: str = "",
           record_batch_fingerprints: bool = False, show_progress: bool = True,
-          base_dtype: str = "float32") -> TrainResult:
+          base_dtype: str = "float32", lock_wait_s: float | None = None) -> TrainResult:
   """Trains `model` until step `total_steps` (counted from step 0, as T5X).
 
   Args:
@@ -161,16 +161,25 @@ def train(*, model: BaseModel, model_dir: str, train_dataset_cfg: DatasetConfig,
     base_dtype: adapter training only (a model with LoRA or prompt parameters, see
       `t5forge.nn.adapters`): how the frozen base from INITIAL_CHECKPOINT_PATH is stored,
       'float32', 'bfloat16' or 'int8' (its projection kernels; the rest stays float32).
+    lock_wait_s: a bucket MODEL_DIR whose lock another host holds: how long to wait for
+      that lock to go stale before refusing (0: refuse at once; None: the stale timeout
+      and a margin, see `run_lock`). `t5forge train --lock_wait_s=SECONDS` sets it.
+
+  Raises:
+    run_lock.LockLost: another run took this run's bucket lock; this run stopped before
+      its next checkpoint or evaluation, having written nothing more.
   """
   seed = 0 if random_seed is None else int(random_seed)
   model_dir = _prepare_model_dir(model_dir)
   # Before anything is written into MODEL_DIR: one run per MODEL_DIR (one lock per job).
   lock = run_lock.lock_for_job(model_dir, command="t5forge train",
-                               log=log.info if multihost.is_chief() else lambda *_: None)
+                               log=log.info if multihost.is_chief() else lambda *_: None,
+                               wait_s=lock_wait_s)
   run = None
   try:
     run = _Run(model_dir=model_dir, model=model, seed=seed,
-               partitioner=partitioner or Partitioner(), total_steps=int(total_steps))
+               partitioner=partitioner or Partitioner(), total_steps=int(total_steps),
+               lock=lock)
     run.setup_data(train_dataset_cfg)
     settings = trainer_cls() if callable(trainer_cls) else trainer_cls
     run.setup_state(optimizer or getattr(model, "optimizer", None) or optim.Adafactor(),
@@ -254,9 +263,11 @@ class _Run:
   """The resources of one training run, set up in stages and closed together."""
 
   def __init__(self, *, model_dir: str, model: BaseModel, seed: int, partitioner: Partitioner,
-               total_steps: int):
+               total_steps: int, lock=None):
     self.model_dir, self.model, self.seed = model_dir, model, seed
     self.partitioner, self.total_steps = partitioner, total_steps
+    self.lock = lock  # the MODEL_DIR lock, on process 0 (None on the others)
+    self.lock_lost = False
     self.is_chief = multihost.is_chief()
     self.log = log.info if self.is_chief else (lambda *a, **k: None)
     self.train_iter = self.checkpointer = self.fingerprints = None
@@ -496,7 +507,25 @@ class _Run:
     self.writer.write_scalars(step, scalars, subdir="train")
     return scalars
 
+  def check_lock(self, before: str) -> None:
+    """Stops the run (LockLost, on every process) when its MODEL_DIR lock is no longer its
+    own, before it writes into MODEL_DIR again (`before`: what it was about to do)."""
+    lost = self.lock.lost_error(before=before) if self.lock and self.lock.check() else None
+    if jax.process_count() > 1:
+      lost = multihost.gather_json(lost)[0]  # only process 0 holds the lock
+    if not lost:
+      return
+    self.lock_lost = True
+    self.checkpointer.wait()  # a save started before the loss was seen ends committed
+    last = self.checkpointer.latest_step()
+    where = (f"checkpoint_{last} is the last committed checkpoint" if last is not None
+             else "no checkpoint was committed")
+    raise run_lock.LockLost(f"{lost}; {where} and nothing was written after the loss; if "
+                            "the run that took it should not be there, stop it and start this "
+                            "one again (it resumes)")
+
   def evaluate(self, step: int) -> dict[str, float]:
+    self.check_lock(f"evaluating step {step}")  # inference evaluation writes MODEL_DIR/inference_eval
     scalars = {}
     with self.partitioner.activation_context():
       if self.train_eval is not None:
@@ -508,6 +537,7 @@ class _Run:
     return scalars
 
   def save(self, step: int, *, metrics: dict | None) -> None:
+    self.check_lock(f"saving checkpoint_{step}")
     if not hasattr(self, "_config"):
       self._config = _config_item(self.model)  # the vocabulary is base64: build it once
     extra = None
@@ -521,10 +551,11 @@ class _Run:
     self.mirror.sync()  # a bucket's metrics.jsonl and events as of this checkpoint
 
   def close(self) -> None:
-    for resource in (self.checkpointer, self.writer, self.train_iter, self.fingerprints,
-                     self.mirror):
+    for resource in (self.checkpointer, self.writer, self.train_iter, self.fingerprints):
       if resource is not None:
         resource.close()
+    # A run that lost its lock uploads nothing more: the new holder's files stay as it wrote them.
+    self.mirror.close(upload=not self.lock_lost)
 
 
 def _show_eval(progress: metrics_lib.Progress, step: int, scalars: dict[str, float]) -> None:
