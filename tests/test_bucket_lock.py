@@ -22,12 +22,6 @@ from train_helpers import ROOT
 HOST = socket.gethostname()
 
 
-def _dead_pid() -> int:
-  p = subprocess.Popen([sys.executable, "-c", "pass"])
-  p.wait()
-  return p.pid
-
-
 def _record(url):
   return json.loads(storage.read_text(storage.join(url, ".lock")))
 

@@ -10,8 +10,6 @@ import json
 import os
 import re
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
@@ -20,14 +18,9 @@ from t5forge import storage
 from t5forge.storage import clients
 from t5forge.errors import UserError
 from t5forge.train import run_lock
+from train_helpers import dead_pid
 
 HOST = socket.gethostname()
-
-
-def _dead_pid() -> int:
-  p = subprocess.Popen([sys.executable, "-c", "pass"])
-  p.wait()
-  return p.pid
 
 
 def _lock_url(url):
@@ -246,7 +239,7 @@ def test_a_dead_holder_on_this_host_is_taken_over_at_once(bucket_env, monkeypatc
   emu, bucket = bucket_env
   monkeypatch.setenv(run_lock.TIMEOUT_ENV, "600")  # fresh: only the pid can tell
   url = storage.join(bucket, "run")
-  pid = _dead_pid()
+  pid = dead_pid()
   _put_record(url, host=HOST, pid=pid, token="old")
   lock = run_lock.BucketLock(url)
   start = time.monotonic()
@@ -289,7 +282,7 @@ def test_the_host_name_can_be_set_for_containers_and_tests(bucket_env, monkeypat
   monkeypatch.setenv(run_lock.TIMEOUT_ENV, "600")
   monkeypatch.setenv(run_lock.HOST_ENV, "node-a")
   url = storage.join(bucket, "run")
-  pid = _dead_pid()
+  pid = dead_pid()
   _put_record(url, host="node-a", pid=pid, token="old")
   lock = run_lock.BucketLock(url)
   note = lock.acquire()

@@ -16,18 +16,12 @@ import pytest
 
 from t5forge.errors import UserError
 from t5forge.train import run_lock
-from train_helpers import ROOT, host_devices, error_line, read_jsonl, run_train, train_cmd, write_gin
+from train_helpers import (ROOT, dead_pid, error_line, host_devices, read_jsonl, run_train,
+                           train_cmd, write_gin)
 
 pytestmark = pytest.mark.slow  # subprocess runs or heavy compiles: make test, not test-fast
 
 HOST = socket.gethostname()
-
-
-def _dead_pid() -> int:
-  """The pid of a process that has exited (and been reaped)."""
-  p = subprocess.Popen([sys.executable, "-c", "pass"])
-  p.wait()
-  return p.pid
 
 
 def _write_record(model_dir, **record):
@@ -65,7 +59,7 @@ def test_the_lock_records_host_pid_time_and_command(tmp_path):
 
 
 def test_the_lock_of_a_dead_process_is_taken_over_with_a_note(tmp_path):
-  pid = _dead_pid()
+  pid = dead_pid()
   _write_record(str(tmp_path), pid=pid)
   lock = run_lock.RunLock(str(tmp_path))
   note = lock.acquire()
@@ -108,7 +102,7 @@ def test_without_flock_the_recorded_pid_decides(tmp_path, monkeypatch):
   lock = run_lock.RunLock(str(tmp_path))
   assert f"took over the lock of pid {sleeper.pid}" in lock.acquire()
   lock.release()
-  _write_record(str(tmp_path), pid=_dead_pid(), host="another-host")
+  _write_record(str(tmp_path), pid=dead_pid(), host="another-host")
   with pytest.raises(UserError, match="on host another-host"):
     run_lock.RunLock(str(tmp_path)).acquire()
 
@@ -129,7 +123,7 @@ def test_train_refuses_a_model_dir_in_use(tmp_path):
 
 def test_train_takes_over_the_lock_of_a_dead_run(tmp_path):
   model_dir = tmp_path / "model"
-  pid = _dead_pid()
+  pid = dead_pid()
   _write_record(str(model_dir), pid=pid)
   gin = write_gin(tmp_path / "run.gin", steps=2, period=2, stats_period=2)
   r = run_train(gin, model_dir)

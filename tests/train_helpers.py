@@ -154,6 +154,13 @@ def _environ(values):
         os.environ[k] = v
 
 
+def dead_pid() -> int:
+  """The pid of a process that has exited (and been reaped): a lock holder known dead."""
+  p = subprocess.Popen([sys.executable, "-c", "pass"])
+  p.wait()
+  return p.pid
+
+
 def kill_when(cmd, cond, timeout=300, cwd=ROOT, env=None) -> bool:
   """Starts cmd and SIGKILLs it as soon as cond() holds; False if it ended first."""
   proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL,
