@@ -34,7 +34,7 @@ $(STAMP_BASE): $(PY) $(PINS)
 	touch $@
 
 $(STAMP_TEST): $(STAMP_BASE) $(PINS)
-	$(PY) -m pip install --quiet -c requirements.lock -e '.[test]'
+	$(PY) -m pip install --quiet -c requirements.lock -e '.[test,tf,beam]'
 	touch $@
 
 $(STAMP_BENCH): $(STAMP_BASE) $(PINS)
