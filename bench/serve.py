@@ -56,9 +56,15 @@ rounds: static, continuous, continuous, static) and the table holds medians over
   4. memory: VmRSS (/proc/PID/status) of the last round's continuous server after 100
      and after 2,000 requests served (warm-up included; mixed lengths, concurrency 32),
      run first in that session. Target: within 5% (after 2,000 / after 100 <= 1.05).
+  5. hostile clients, every session: 100 then 500 completions whose options are drawn at
+     random (temperature 0.01..2, top_k 1..1000, top_p 0.05..1, n 1..3, logprobs none or
+     0..5, max_tokens 1..8), concurrency 32: t5forge_compiles_since_ready's rise during
+     each, and VmRSS after each. Targets: the engine compiles nothing; VmRSS after the
+     500 within 5% of after the 100, on both paths (the static path compiles once per
+     kind: n x logprobs x batch bucket, bounded by generation.CompiledFns).
 Queue time, rows per model call and the engine's TTFT come from /metrics as above;
-the engine's t5forge_compiles_since_ready is read after each session (0: nothing
-compiled under load). --rounds N changes the pairs. --quick: tiny model, 1 round, 64 /
+t5forge_compiles_since_ready is read after each session (0: nothing compiled under
+load). --rounds N changes the pairs. --quick: tiny model, 1 round, 64 /
 48 / 32 requests, RSS after 100 and 300; a smoke test, its ratios mean little (the tiny
 model's step is mostly host overhead). Writes bench/results/serve_schedulers.json
 (serve_schedulers_quick.json); server logs in bench/results/.cache/logs/.
@@ -594,7 +600,7 @@ def _parse(argv):
                  "--quick)")
   p.add_argument("--scenarios", default=None,
                  help="with --schedulers: which to run, comma-separated, of mixed, open "
-                 "(needs mixed: its rate comes from it), uniform, rss (default all)")
+                 "(needs mixed: its rate comes from it), uniform, rss, hostile (default all)")
   args = p.parse_args(argv)
   if args.rounds is not None and (not args.schedulers or args.rounds < 1):
     p.error("--rounds takes a positive count, with --schedulers")

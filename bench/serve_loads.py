@@ -24,9 +24,10 @@ from bench.workers import REPO_ROOT, log
 from t5forge import testing
 
 SCHEDULERS = ("static", "continuous")
-SCENARIOS = ("mixed", "open", "uniform", "rss")
+SCENARIOS = ("mixed", "open", "uniform", "rss", "hostile")
 TARGETS = {"mixed_tokens_per_s": 1.5, "open_ttft_p50": 0.4, "open_ttft_p99": 0.5,
-           "uniform_tokens_per_s": 0.95, "uniform_vs_offline_b16": 0.8, "rss_growth": 1.05}
+           "uniform_tokens_per_s": 0.95, "uniform_vs_offline_b16": 0.8, "rss_growth": 1.05,
+           "hostile_rss_growth": 1.05, "hostile_engine_compiles": 0}
 KEEP_ALIVE_S = 2.0  # reuse an idle connection at most this long (uvicorn closes at 5 s)
 
 
@@ -48,6 +49,10 @@ class Plan:
   uniform_concurrency: int = 16
   uniform_requests: int = 160
   rss_requests: tuple[int, int] = (100, 2000)  # served by the continuous server, in all
+  # Random options (temperature, top_k 1..1000, top_p, n, logprobs), both servers: the
+  # first batch compiles what the static path compiles per kind; compiles and VmRSS are
+  # then measured over the second.
+  hostile_requests: tuple[int, int] = (100, 500)
   prompts: int = 32
   seed: int = 0  # arrivals and lengths of the open loop
   scenarios: tuple[str, ...] = SCENARIOS  # what each session measures (--scenarios)
@@ -130,6 +135,54 @@ def open_loop(port: int, model: str, prompts: list[str], rate: float, plan: Plan
   return row
 
 
+def hostile(port: int, model: str, prompts: list[str], plan: Plan, total: int,
+            seed: int) -> dict:
+  """`total` completions whose options a hostile client draws at random: temperature
+  0.01..2, top_k 1..1000, top_p 0.05..1, n 1..3, logprobs none or 0..5, max_tokens
+  1..short_tokens, from `plan.mixed_concurrency` closed-loop clients. -> {"requests",
+  "statuses": {status: count}, "error_count": 5xx and failed connections}."""
+  rng = random.Random(seed)
+  bodies = []
+  for k in range(total):
+    body = {"model": model, "prompt": prompts[k % len(prompts)],
+            "max_tokens": rng.randint(1, plan.short_tokens),
+            "temperature": round(rng.uniform(0.01, 2.0), 3), "top_k": rng.randint(1, 1000),
+            "top_p": round(rng.uniform(0.05, 1.0), 3), "n": rng.randint(1, 3), "seed": k}
+    logprobs = rng.choice([None, 0, 1, 2, 3, 4, 5])
+    if logprobs is not None:
+      body["logprobs"] = logprobs
+    bodies.append(body)
+  lock, statuses = threading.Lock(), {}
+
+  def client():
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=900)
+    try:
+      while True:
+        with lock:
+          if not bodies:
+            return
+          body = bodies.pop()
+        try:
+          status = serve._one(conn, body, False)["status"]
+        except (OSError, http.client.HTTPException, ValueError):
+          status = None
+          conn.close()
+          conn = http.client.HTTPConnection("127.0.0.1", port, timeout=900)
+        with lock:
+          statuses[status] = statuses.get(status, 0) + 1
+    finally:
+      conn.close()
+
+  threads = [threading.Thread(target=client, daemon=True) for _ in range(plan.mixed_concurrency)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  errors = sum(n for st, n in statuses.items() if st is None or st >= 500)
+  return {"requests": total, "statuses": {str(k): v for k, v in statuses.items()},
+          "error_count": errors}
+
+
 def mixed_tokens(plan: Plan):
   """max_tokens of closed-loop request k: short and long, interleaved."""
   return lambda k: plan.short_tokens if k % 2 == 0 else plan.long_tokens
@@ -210,6 +263,18 @@ def session(path: str, plan: Plan, scheduler: str, round_: int, prompts: list[st
         log(f"    after {served} requests: VmRSS {out['rss'][-1]['VmRSS'] / 1024:.1f} MiB")
       out["rss_errors"] = sum(r["error_count"] for r in loads)
       out["rss_loads"] = loads
+    if "hostile" in plan.scenarios:
+      out["hostile"] = h = {"compiles": [], "VmRSS": [], "loads": []}
+      for i, total in enumerate(plan.hostile_requests):
+        before = gauge(server.url, "t5forge_compiles_since_ready")
+        log(f"  hostile: {total} requests with random options")
+        h["loads"].append(hostile(port, model_id, prompts, plan, total, plan.seed + i))
+        h["compiles"].append(gauge(server.url, "t5forge_compiles_since_ready") - before)
+        h["VmRSS"].append(vm_kib(server.proc.pid)["VmRSS"])
+        log(f"    {h['loads'][-1]['statuses']}; compiles {h['compiles'][-1]:.0f}, VmRSS "
+            f"{h['VmRSS'][-1] / 1024:.1f} MiB")
+      served += sum(x["requests"] for x in h["loads"])
+      out["hostile_errors"] = sum(x["error_count"] for x in h["loads"])
     if "mixed" in plan.scenarios:
       measured("mixed", lambda: serve.drive(port, model_id, prompts, plan.mixed_concurrency,
                                             plan.mixed_requests, mixed))
@@ -228,10 +293,10 @@ def session(path: str, plan: Plan, scheduler: str, round_: int, prompts: list[st
       measured("uniform", lambda: serve.drive(port, model_id, prompts,
                                               plan.uniform_concurrency, plan.uniform_requests,
                                               plan.new_tokens))
-    out["compiles_since_ready"] = (gauge(server.url, "t5forge_compiles_since_ready")
-                                   if scheduler == "continuous" else None)
+    out["compiles_since_ready"] = gauge(server.url, "t5forge_compiles_since_ready")
   out["exit_code"] = server.proc.returncode
   out["error_count"] = (out["warmup_errors"] + out.get("rss_errors", 0)
+                        + out.get("hostile_errors", 0)
                         + sum(out[k]["error_count"] for k in ("mixed", "open", "uniform")
                               if k in out))
   return out
@@ -320,8 +385,28 @@ def rows(report: dict) -> list[dict]:
                        f"{rss[-1]['served']} requests", "static": None,
                 "continuous": f"{rss[0]['VmRSS'] / 1024:.1f} -> {rss[-1]['VmRSS'] / 1024:.1f}",
                 "ratio": v, "fmt": ".1f", "goal": f"<= {goal}", "met": v <= goal})
+  if "hostile" in chosen:
+    _hostile_rows(row, sessions, plan["hostile_requests"], out)
   row("errors (all requests)", lambda s: s["error_count"], fmt="d")
   return out
+
+
+def _hostile_rows(row, sessions: list[dict], counts, out: list) -> None:
+  h = f"5 hostile options, {counts[0]} then {counts[1]} requests"
+  row(f"{h}: compiles in the first {counts[0]}", lambda s: s["hostile"]["compiles"][0], fmt="d")
+  row(f"{h}: compiles in the next {counts[1]}", lambda s: s["hostile"]["compiles"][1], fmt="d")
+  goal = TARGETS["hostile_engine_compiles"]
+  c = _median(sessions, "continuous", lambda s: s["hostile"]["compiles"][1])
+  out[-1].update(goal=f"continuous = {goal}", met=c == goal)
+  for scheduler in SCHEDULERS:
+    rss = [s["hostile"]["VmRSS"] for s in sessions if s["scheduler"] == scheduler][-1]
+    v, goal = rss[1] / rss[0], TARGETS["hostile_rss_growth"]
+    out.append({"row": f"{h}: {scheduler} VmRSS MiB over the next {counts[1]}",
+                "static": f"{rss[0] / 1024:.1f} -> {rss[1] / 1024:.1f}"
+                if scheduler == "static" else None,
+                "continuous": f"{rss[0] / 1024:.1f} -> {rss[1] / 1024:.1f}"
+                if scheduler == "continuous" else None,
+                "ratio": v, "fmt": ".1f", "goal": f"<= {goal}", "met": v <= goal})
 
 
 def _mixed_rows(row, hist, m: str) -> None:

@@ -31,6 +31,7 @@ k top_logprobs.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 from typing import Any, Callable
@@ -120,6 +121,32 @@ def _per_row(x, name: str, b: int, dtype) -> np.ndarray:
   return x
 
 
+class CompiledFns:
+  """A Generator's jitted functions by key (a decode method with its n and top_logprobs,
+  and a decode length), the least recently used dropped past `limit`. Requests choose the
+  keys, within the server's limits; a server lives for weeks, so the set is bounded here
+  too. `evictions` counts the drops (t5forge_compile_cache_evictions_total): a steady
+  rise means the limit is too small for the traffic, and requests recompile."""
+
+  def __init__(self, limit: int = 64):
+    self.limit, self.evictions = limit, 0
+    self._fns: collections.OrderedDict = collections.OrderedDict()
+
+  def __len__(self) -> int:
+    return len(self._fns)
+
+  def get(self, key, make: Callable[[], Any]):
+    """The function under key, made with make() the first time."""
+    if key in self._fns:
+      self._fns.move_to_end(key)
+      return self._fns[key]
+    fn = self._fns[key] = make()
+    if len(self._fns) > self.limit:
+      self._fns.popitem(last=False)
+      self.evictions += 1
+    return fn
+
+
 class Generator:
   """Compiled generation, prediction and scoring for one model, one compile cache.
 
@@ -162,7 +189,7 @@ class Generator:
     self.is_encoder_decoder = bool(model.config.is_encoder_decoder)
     # N > 0: the model's LoRA weights are N stacked adapters, chosen per row.
     self.adapter_count = lora.stacked_count(model.config)
-    self._fns: dict[tuple, Callable] = {}
+    self.compiled = CompiledFns()
 
   # -- compiled functions ------------------------------------------------------------------
   def _batch(self, inputs):
@@ -194,8 +221,9 @@ class Generator:
     # top-k is a traced per-row value (as temperature and top-p): not in the key, so a
     # client's top_k never compiles.
     key = ("sample", dataclasses.replace(kind, topk=0), length)
-    if key in self._fns:
-      return self._fns[key]
+    return self.compiled.get(key, lambda: self._make_sample_fns(kind, length))
+
+  def _make_sample_fns(self, kind: Kind, length: int):
     model, n, k = self.model, kind.num_decodes, kind.top_logprobs
     greedy = kind.method == "greedy"
     eos = self.stop_ids
@@ -225,32 +253,30 @@ class Generator:
         view["top_logprobs"] = aux["top_log_probs"][:, :, window]
       return state, view, jnp.all(aux["done"])
 
-    fns = (jax.jit(start),
-           jax.jit(advance, donate_argnums=(1,), static_argnames=("input_length",)))
-    self._fns[key] = fns
-    return fns
+    return (jax.jit(start),
+            jax.jit(advance, donate_argnums=(1,), static_argnames=("input_length",)))
 
   def _beam_fn(self, kind: Kind, length: int):
     """beam(params, inputs [b, i], max_new [b], alpha [], min_log_prob [b], adapters [b] |
     None) -> (decodes
     [b, n, l], aux: scores [b, n], token_log_probs [b, n, l], top_ids / top_log_probs
     [b, n, l, k])."""
-    key = ("beam", kind, length)
-    if key not in self._fns:
-      model = self.model
+    return self.compiled.get(("beam", kind, length), lambda: self._make_beam_fn(kind, length))
 
-      def beam(params, inputs, max_new, alpha, min_log_prob, adapters):
-        # The layers repeat the adapters [b] to the flat beams (row e * n + j).
-        with lora.row_adapters(adapters):
-          return model.predict_batch_with_aux(
-              params, self._batch(inputs), None,
-              decoder_params={"alpha": alpha, "max_decode_steps": max_new,
-                              "min_log_prob": min_log_prob, "log_probs": kind.top_logprobs},
-              num_decodes=kind.num_decodes, return_all_decodes=True,
-              max_decode_length=length, decode_fn=decoding.beam_search)
+  def _make_beam_fn(self, kind: Kind, length: int):
+    model = self.model
 
-      self._fns[key] = jax.jit(beam)
-    return self._fns[key]
+    def beam(params, inputs, max_new, alpha, min_log_prob, adapters):
+      # The layers repeat the adapters [b] to the flat beams (row e * n + j).
+      with lora.row_adapters(adapters):
+        return model.predict_batch_with_aux(
+            params, self._batch(inputs), None,
+            decoder_params={"alpha": alpha, "max_decode_steps": max_new,
+                            "min_log_prob": min_log_prob, "log_probs": kind.top_logprobs},
+            num_decodes=kind.num_decodes, return_all_decodes=True,
+            max_decode_length=length, decode_fn=decoding.beam_search)
+
+    return jax.jit(beam)
 
   # -- placement ----------------------------------------------------------------------------
   def _place(self, tree: dict) -> dict:
@@ -429,39 +455,36 @@ class Generator:
   def score_batch(self, batch: dict, *, params=None) -> np.ndarray:
     """Summed target log-likelihood per example [b] of a feature batch
     (`predict.features_from_tokens`' keys, host or device arrays [b, ...])."""
-    if "score" not in self._fns:
-      model = self.model
+    model = self.model
 
-      def score(params, batch):
-        batch = dict(batch)
-        with lora.row_adapters(batch.pop(ADAPTER_FEATURE, None)):
-          return model.score_batch(params, batch)
+    def score(params, batch):
+      batch = dict(batch)
+      with lora.row_adapters(batch.pop(ADAPTER_FEATURE, None)):
+        return model.score_batch(params, batch)
 
-      self._fns["score"] = jax.jit(score, **self._score_jit)
+    fn = self.compiled.get("score", lambda: jax.jit(score, **self._score_jit))
     with self._context():
-      return multihost.to_host(self._fns["score"](self._params(params), self._place(batch)))
+      return multihost.to_host(fn(self._params(params), self._place(batch)))
 
   def _predict_fn(self, opts: DecodeOptions, length: int):
     key = ("predict", opts.method, opts.num_decodes, opts.topk, length,
            opts.return_all_decodes)
-    if key not in self._fns:
-      model = self.model
-      decode_fn = decoding.beam_search if opts.method == "beam" else decoding.temperature_sample
+    model = self.model
+    decode_fn = decoding.beam_search if opts.method == "beam" else decoding.temperature_sample
 
-      def fn(params, batch, rng, traced):
-        if opts.method == "beam":
-          options = {"alpha": traced["alpha"], "max_decode_steps": traced["max_decode_steps"],
-                     "min_log_prob": traced["min_log_prob"]}
-        else:
-          options = {"temperature": traced["temperature"], "topk": opts.topk,
-                     "topp": traced["topp"], "max_decode_steps": traced["max_decode_steps"]}
-        return model.predict_batch_with_aux(
-            params, batch, rng, decoder_params=options, num_decodes=opts.num_decodes,
-            return_all_decodes=opts.return_all_decodes, max_decode_length=length,
-            decode_fn=decode_fn)
+    def fn(params, batch, rng, traced):
+      if opts.method == "beam":
+        options = {"alpha": traced["alpha"], "max_decode_steps": traced["max_decode_steps"],
+                   "min_log_prob": traced["min_log_prob"]}
+      else:
+        options = {"temperature": traced["temperature"], "topk": opts.topk,
+                   "topp": traced["topp"], "max_decode_steps": traced["max_decode_steps"]}
+      return model.predict_batch_with_aux(
+          params, batch, rng, decoder_params=options, num_decodes=opts.num_decodes,
+          return_all_decodes=opts.return_all_decodes, max_decode_length=length,
+          decode_fn=decode_fn)
 
-      self._fns[key] = jax.jit(fn, **self._predict_jit)
-    return self._fns[key]
+    return self.compiled.get(key, lambda: jax.jit(fn, **self._predict_jit))
 
   def predict(self, batch: dict, opts: DecodeOptions, *, params=None,
               max_decode_length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -511,18 +534,17 @@ class Generator:
       raise UserError(f"inputs and valid must be [batch, length] alike, got "
                       f"{list(inputs.shape)} and {list(valid.shape)}")
     ids = self._adapters(adapters, inputs.shape[0])
-    if "encode" not in self._fns:
-      model = self.model
+    model = self.model
 
-      def encode(params, tokens, valid, adapters):
-        with lora.row_adapters(adapters):
-          return model.encode(params, tokens, valid)
+    def encode(params, tokens, valid, adapters):
+      with lora.row_adapters(adapters):
+        return model.encode(params, tokens, valid)
 
-      self._fns["encode"] = jax.jit(encode)
+    fn = self.compiled.get("encode", lambda: jax.jit(encode))
     with self._context():
       placed = self._place({"inputs": inputs, "valid": valid, "adapters": ids})
-      out = multihost.to_host(self._fns["encode"](self.params, placed["inputs"],
-                                                  placed["valid"], placed["adapters"]))
+      out = multihost.to_host(fn(self.params, placed["inputs"], placed["valid"],
+                                 placed["adapters"]))
     # A tuned prompt's positions come first (`nn.prompt`): the tokens' states are the last i.
     return out[:, out.shape[1] - inputs.shape[1]:]
 

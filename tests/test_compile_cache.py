@@ -94,3 +94,25 @@ def test_every_worker_counts_compiles_after_its_ready():
   assert w.compiles_since_ready() == 0
   jax.jit(lambda x: jnp.sin(x) * 1.75 - 0.25)(np.arange(5, dtype=np.float32)).block_until_ready()
   assert w.compiles_since_ready() == 1
+
+
+def test_the_static_paths_compiled_functions_are_a_bounded_lru():
+  """A server lives for weeks and its clients choose the keys (method, n, top_logprobs,
+  length): past the limit the least recently used is dropped, counted, and shown on
+  /metrics."""
+  from t5forge.generation import CompiledFns  # noqa: PLC0415
+  from t5forge.serve.metrics import Metrics  # noqa: PLC0415
+  fns, made = CompiledFns(limit=2), []
+
+  def make(key):
+    return lambda: made.append(key) or key
+
+  for key in ("a", "b", "a", "c", "a", "b"):
+    assert fns.get(key, make(key)) == key
+  # "b" was the least recently used when "c" came, and "c" when "b" came back.
+  assert made == ["a", "b", "c", "b"] and len(fns) == 2 and fns.evictions == 2
+  m = Metrics()
+  m.watch_compile_cache(fns)
+  body = m.render()[0].decode()
+  assert "t5forge_compile_cache_entries 2.0" in body
+  assert "t5forge_compile_cache_evictions_total 2.0" in body

@@ -152,6 +152,92 @@ def test_a_raising_callback_fails_only_its_request(served, alone, monkeypatch, c
   assert s.engine.alive() and s.batcher.alive()
 
 
+def _chaos_calls() -> list:
+  """40 distinct requests: greedy, seeded sampling, beam, embeddings and streamed
+  log-probs."""
+  calls = []
+  for i in range(8):
+    p = f"God is love {i}."
+    calls += [("/v1/completions", greedy(p)),
+              ("/v1/completions", {"prompt": p, "max_tokens": 8, "temperature": 0.9,
+                                   "top_p": 0.9, "top_k": 20, "seed": i}),
+              ("/v1/completions", beam(p)),
+              ("/v1/embeddings", {"input": p}),
+              ("/v1/completions", greedy(p, stream=True, logprobs=2))]
+  return calls
+
+
+def _answer(path, body, status, text):
+  """What a client compares: the texts (and log-probs) or the embedding."""
+  assert status == 200, (path, body, status, text)
+  if path == "/v1/embeddings":
+    return np.asarray(text["data"][0]["embedding"])
+  if body.get("stream"):
+    evs = [e for e in events(text) if e.get("choices")]
+    lps = [t for e in evs for t in (e["choices"][0]["logprobs"] or {}).get("tokens", [])]
+    return "".join(e["choices"][0]["text"] for e in evs), lps
+  return [c["text"] for c in text["choices"]]
+
+
+@pytest.mark.slow
+def test_chaos_200_requests_with_5_percent_faulty_rows(served, monkeypatch, caplog):
+  """200 concurrent requests of every kind while 10 of them (5%) have a callback that
+  raises: those 10 get a 500 (a stream: an error event) with an error id; every other
+  answers exactly as it does alone; /health stays 200 and both workers live."""
+  s = served.service
+  calls = _chaos_calls()
+  alone = [_answer(p, b, *served.ask(p, b)[::2]) for p, b in calls]
+  faulty = [("/v1/completions", greedy(f"Fault {i}.")) for i in range(4)]
+  faulty += [("/v1/completions", greedy(f"Fault {i}.", stream=True)) for i in range(4, 7)]
+  faulty += [("/v1/completions", beam("Fault 7.")), ("/v1/embeddings", {"input": "Fault 8."}),
+             ("/v1/completions", greedy("Fault 9.", stream=True, logprobs=2))]
+  bad = {tuple(s.encode(b.get("prompt", b.get("input")), "prompt")) for _, b in faulty}
+
+  def faulty_rows(submit):
+    def wrapped(rows):
+      for r in rows:
+        if tuple(r.ids) in bad:
+          r.done = _raise_on_results(r.done)
+          if getattr(r, "on_tokens", None) is not None:
+            r.on_tokens = _raise
+      return submit(rows)
+    return wrapped
+
+  monkeypatch.setattr(s.engine, "submit", faulty_rows(s.engine.submit))
+  monkeypatch.setattr(s.batcher, "submit", faulty_rows(s.batcher.submit))
+  order = list(range(len(calls))) * 4 + [None] * len(faulty)
+  np.random.default_rng(0).shuffle(order)
+  crowd, k = [], 0
+  for i in order:
+    if i is None:
+      crowd.append(faulty[k])
+      k += 1
+    else:
+      crowd.append(calls[i])
+  assert len(crowd) == 170 and k == 10
+  crowd = crowd + [calls[i % len(calls)] for i in range(30)]  # 200 in all
+  got = served.ask_all(crowd)
+  failed = 0
+  for (path, body), (status, _, text) in zip(crowd, got):
+    if (path, body) in faulty:
+      failed += 1
+      if body.get("stream"):
+        err = _stream_error(status, text)
+        assert ID.fullmatch(err["message"]), err
+      else:
+        _logged(caplog, _internal(status, text))
+      continue
+    want = alone[calls.index((path, body))]
+    have = _answer(path, body, status, text)
+    if path == "/v1/embeddings":
+      np.testing.assert_allclose(have, want, atol=1e-5)
+    else:
+      assert have == want, (body, have, want)
+  assert failed == 10
+  assert served.ask("/health")[0] == 200
+  assert s.engine.alive() and s.batcher.alive()
+
+
 def test_a_failed_step_fails_the_rows_in_flight_and_serving_goes_on(served, alone,
                                                                      monkeypatch, caplog):
   s = served.service

@@ -329,6 +329,8 @@ def _build(args, flags: _Flags) -> tuple:
     # The engine counts compilations from its ready on: the batcher's come first.
     engine.warm_after = batch.ready
   metrics.watch_compiles(engine if engine is not None else batch)  # the last to be ready
+  if hasattr(gen, "compiled"):  # a Generator; an exported backend's functions are fixed
+    metrics.watch_compile_cache(gen.compiled)
   chat_template = _chat_template(args, vocab)
   rates = flags.rates
   service = Service(batcher=batch, vocabulary=vocab, kind_cls=kind_cls, model_name=name,

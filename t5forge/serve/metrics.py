@@ -13,6 +13,9 @@ process, as in tests, do not share counters and nothing registers globally).
     t5forge_time_to_first_token_seconds / t5forge_inter_token_latency_seconds
     t5forge_encode_seconds / t5forge_step_seconds    one insert / one k-step call
     t5forge_compiles_since_ready                     XLA compilations after ready
+    t5forge_compile_cache_entries / t5forge_compile_cache_evictions_total
+                                                     the static path's jitted functions
+                                                     (generation.CompiledFns, bounded LRU)
     t5forge_cancelled_total{stage}                   rows dropped: queued, running,
                                                      queue_timeout, shutdown
   completions (and other generating routes), per request:
@@ -125,6 +128,10 @@ class Metrics:
     last) as t5forge_compiles_since_ready."""
     self.compiles.set_function(worker.compiles_since_ready)
 
+  def watch_compile_cache(self, cache) -> None:
+    """Reports a `generation.CompiledFns` (its size and evictions) at every scrape."""
+    self.registry.register(_CompileCache(cache))
+
   def render(self) -> tuple[bytes, str]:
     """-> (body, content type) of the Prometheus text format."""
     return prom.generate_latest(self.registry), prom.CONTENT_TYPE_LATEST
@@ -152,6 +159,23 @@ def _histogram(metric, bounds, keep=lambda labels: True) -> tuple[list, float]:
     elif x.name.endswith("_sum"):
       total += x.value
   return sorted(counts.items(), key=lambda kv: float(kv[0])), total
+
+
+class _CompileCache:
+  """t5forge_compile_cache_{entries,evictions_total} read from a `CompiledFns`."""
+
+  def __init__(self, cache):
+    self.cache = cache
+
+  def collect(self):
+    g = prom_core.GaugeMetricFamily("t5forge_compile_cache_entries",
+                                    "Jitted functions held by the static decode path")
+    g.add_metric([], len(self.cache))
+    yield g
+    c = prom_core.CounterMetricFamily("t5forge_compile_cache_evictions",
+                                      "Jitted functions dropped as least recently used")
+    c.add_metric([], self.cache.evictions)
+    yield c
 
 
 class _VllmNames:
