@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 
 from t5forge.engine import compile_count
+from t5forge.generation import CompiledFns
+from t5forge.serve.metrics import Metrics
 from train_helpers import ROOT
 
 _SCRIPT = r"""
@@ -100,8 +102,6 @@ def test_the_static_paths_compiled_functions_are_a_bounded_lru():
   """A server lives for weeks and its clients choose the keys (method, n, top_logprobs,
   length): past the limit the least recently used is dropped, counted, and shown on
   /metrics."""
-  from t5forge.generation import CompiledFns  # noqa: PLC0415
-  from t5forge.serve.metrics import Metrics  # noqa: PLC0415
   fns, made = CompiledFns(limit=2), []
 
   def make(key):
