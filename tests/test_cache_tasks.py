@@ -17,6 +17,7 @@ import pytest
 import seqio_bible_task
 from conftest import SHARED
 from t5forge import data as seqio
+from t5forge import storage
 from t5forge.cli import main as cli_main
 from t5forge.data import cache_tasks, records, tf_example
 from t5forge.errors import UserError
@@ -222,16 +223,17 @@ def test_the_cli_prints_one_line(bible, tmp_path, capsys):
   assert err.startswith("t5forge: error: unknown task 'no_such'") and "\n" not in err
 
 
-def test_a_failed_run_leaves_nothing(bible, tmp_path):
-  def explode(ex):
-    if ex["targets"] == "row 7":
-      raise RuntimeError("boom")
-    return ex
+def _explode(ex):
+  if ex["targets"] in ("row 7", "x"):
+    raise RuntimeError("boom")
+  return ex
 
+
+def test_a_failed_run_leaves_nothing(bible, tmp_path):
   seqio.TaskRegistry.add(
       "failing", seqio.InMemoryDataSource({"train": [{"targets": f"row {i}"}
                                                      for i in range(10)]}),
-      preprocessors=[explode, seqio.preprocessors.tokenize, seqio.CacheDatasetPlaceholder()],
+      preprocessors=[_explode, seqio.preprocessors.tokenize, seqio.CacheDatasetPlaceholder()],
       output_features={"targets": seqio.Feature(seqio.ByteVocabulary())})
   with pytest.raises(Exception, match="boom"):
     cache_tasks.cache_tasks(["failing"], str(tmp_path / "out"), min_shards=1)
@@ -269,3 +271,27 @@ def test_multi_processing_gives_the_same_cache(tmp_path):
     for name in (f"info.{split}.json", f"stats.{split}.json"):
       assert (out / "bible_cached" / name).read_text() == open(
           os.path.join(SEQIO_TASK_DIR, name)).read()
+
+
+@pytest.mark.slow
+def test_a_cache_in_a_bucket(bible, bucket_env, tmp_path):
+  """Beam's GCS and S3 filesystems write the shards (to the emulators), COMPLETED last;
+  the cache is read back from the bucket; a failed run leaves nothing there."""
+  _, url = bucket_env
+  out = f"{url}/caches"
+  assert cache_tasks.cache_tasks(["bible_cached"], out, min_shards=2) == {
+      "bible_cached": f"{out}/bible_cached"}
+  seqio.set_global_cache_dirs([out])
+  got = list(seqio.TaskRegistry.get("bible_cached").get_dataset(
+      None, "validation", use_cached=True, shuffle=False))
+  seqio.set_global_cache_dirs([])
+  assert _multiset(got) == _multiset(EXPECTED["examples"]["validation"])
+  assert storage.read_text(f"{out}/bible_cached/stats.train.json") == open(
+      os.path.join(SEQIO_TASK_DIR, "stats.train.json")).read()
+  seqio.TaskRegistry.add(
+      "failing", seqio.InMemoryDataSource({"train": [{"targets": "x"}]}),
+      preprocessors=[_explode, seqio.preprocessors.tokenize, seqio.CacheDatasetPlaceholder()],
+      output_features={"targets": seqio.Feature(seqio.ByteVocabulary())})
+  with pytest.raises(Exception, match="boom"):
+    cache_tasks.cache_tasks(["failing"], out, min_shards=1)
+  assert sorted(storage.listdir(out)) == ["bible_cached"]

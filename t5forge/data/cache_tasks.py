@@ -18,7 +18,9 @@ them: a task seed md5(task name) + base_seed (none without base_seed), and per s
 md5(task name + "shard<i>") + the task seed, so the same base_seed gives the same cache.
 
 A local cache is written in a hidden directory beside its final place and renamed into
-place whole, COMPLETED inside: a crash leaves no directory that looks like a cache.
+place whole, COMPLETED inside: a crash leaves no directory that looks like a cache. In a
+bucket (no renames there) it is written in place with COMPLETED last, as SeqIO does, and
+removed if the run fails.
 
 This module, and only it, needs Apache Beam (`pip install 't5forge[beam]'`).
 """
@@ -321,20 +323,24 @@ def pipeline_options(text: str) -> PipelineOptions:
   return options
 
 
-def _stage(output_cache_dir: str, task_name: str) -> tuple[str, str] | None:
-  """(final directory, empty staging directory beside it) for a task's cache; None if a
-  complete cache is there already.
+def _target(output_cache_dir: str, task_name: str) -> tuple[str, str] | None:
+  """(final directory, directory to write in) for a task's cache; None if a complete cache
+  is there already. Locally the second is an empty staging directory beside the first; in
+  a bucket it is the first (object stores cannot rename a directory: COMPLETED is last).
 
   Raises:
     UserError: an incomplete cache is there, or the directory cannot be written.
   """
-  final = os.path.join(output_cache_dir, seqio_cache.task_dir(task_name))
-  if os.path.isfile(os.path.join(final, "COMPLETED")):
+  final = storage.join(output_cache_dir, seqio_cache.task_dir(task_name))
+  if storage.isfile(storage.join(final, "COMPLETED")):
     return None
-  if os.path.exists(final):
+  if storage.isdir(final) or storage.isfile(final):
     raise UserError(f"{final}: an incomplete cache of task {task_name!r} is there (no "
                     "COMPLETED: an earlier run did not finish, or another program wrote it); "
                     "remove that directory and run cache_tasks again")
+  if storage.is_remote(final):
+    storage.check_bucket(final)
+    return final, final
   parent = os.path.dirname(final)
   try:
     os.makedirs(parent, exist_ok=True)
@@ -345,6 +351,30 @@ def _stage(output_cache_dir: str, task_name: str) -> tuple[str, str] | None:
   return final, staging
 
 
+def _finish(final: str, written: str) -> None:
+  """COMPLETED last; locally, then the whole directory appears at once."""
+  if written == final:
+    storage.write_bytes(storage.join(written, "COMPLETED"), COMPLETED_CONTENTS.encode())
+    return
+  with open(os.path.join(written, "COMPLETED"), "w") as f:
+    f.write(COMPLETED_CONTENTS)
+  os.chmod(written, 0o755)  # mkdtemp made it private
+  os.rename(written, final)
+
+
+def _discard(written: str) -> None:
+  """Removes what a failed run wrote of a cache (best effort: the failure is reported)."""
+  try:
+    if storage.is_remote(written):
+      if storage.isdir(written):
+        storage.rmtree(written)
+    elif os.path.isdir(written):
+      shutil.rmtree(written, ignore_errors=True)
+  except Exception:  # the run's own error, raised after this, matters more
+    log.warning("could not remove the partial cache %s; remove it before running again",
+                written, exc_info=True)
+
+
 def cache_tasks(task_patterns: Sequence[str], output_cache_dir: str, *,
                 excluded_tasks: Sequence[str] = (), modules: Sequence[str] = (),
                 min_shards: int = 64, max_shards: int = 0, base_seed: int | None = None,
@@ -353,7 +383,8 @@ def cache_tasks(task_patterns: Sequence[str], output_cache_dir: str, *,
 
   Args:
     task_patterns: task names or regexes (SeqIO's --tasks); empty: every task.
-    output_cache_dir: a local directory (or one every Beam worker sees at the same path).
+    output_cache_dir: a directory every Beam worker reaches at the same path (a local
+      disk, a shared mount) or a bucket (gs://, s3://) the workers can write.
     excluded_tasks: regexes of tasks to skip.
     modules: modules that register the tasks, imported here and on every worker.
     min_shards / max_shards: bounds on the output shards of a split (0: none).
@@ -364,44 +395,38 @@ def cache_tasks(task_patterns: Sequence[str], output_cache_dir: str, *,
     task name -> its cache directory, for the tasks written (a task with a complete cache
     in output_cache_dir already is skipped, as SeqIO does without --overwrite).
   """
-  if storage.is_remote(output_cache_dir):
-    raise UserError(f"--output_cache_dir {output_cache_dir}: t5forge cache_tasks writes to a "
-                    "directory every worker sees at the same path (a local disk, or a shared "
-                    "mount on a cluster); write there and copy the task directory to the bucket")
   if min_shards < 0 or max_shards < 0:
     raise UserError(f"--min_shards {min_shards} / --max_shards {max_shards}: must be >= 0 "
                     "(0: no bound)")
   beam_options = pipeline_options(options)
   import_modules(modules)
   selected = select_tasks(task_patterns, excluded_tasks)
-  output_cache_dir = os.path.abspath(os.path.expanduser(output_cache_dir))
-  staged: dict[str, tuple[str, str]] = {}
+  if not storage.is_remote(output_cache_dir):
+    output_cache_dir = os.path.abspath(os.path.expanduser(output_cache_dir))
+  targets: dict[str, tuple[str, str]] = {}
+  done: set[str] = set()
   try:
     p = beam.Pipeline(options=beam_options)
     for task in selected:
-      where = _stage(output_cache_dir, task.name)
+      where = _target(output_cache_dir, task.name)
       if where is None:
         log.info("skipping task %r: its cache in %s is complete", task.name, output_cache_dir)
         continue
-      staged[task.name] = where
+      targets[task.name] = where
       _add_task(p, task, where[1], modules, min_shards, max_shards, base_seed)
-    if staged:
-      result = p.run()
-      state = result.wait_until_finish()
+    if targets:
+      state = p.run().wait_until_finish()
       if state != beam.runners.runner.PipelineState.DONE:
         raise UserError(f"the Beam pipeline ended in state {state}; nothing was cached "
                         "(see the runner's log)")
-    for name, (final, staging) in staged.items():
-      # COMPLETED last, then the whole directory appears at once.
-      with open(os.path.join(staging, "COMPLETED"), "w") as f:
-        f.write(COMPLETED_CONTENTS)
-      os.chmod(staging, 0o755)  # mkdtemp made it private
-      os.rename(staging, final)
+    for name, (final, written) in targets.items():
+      _finish(final, written)
+      done.add(name)
   finally:
-    for _, staging in staged.values():
-      if os.path.isdir(staging):
-        shutil.rmtree(staging, ignore_errors=True)
-  return {name: final for name, (final, _) in staged.items()}
+    for name, (_, written) in targets.items():
+      if name not in done:
+        _discard(written)
+  return {name: final for name, (final, _) in targets.items()}
 
 
 def _add_task(p, task: tasks.Task, directory: str, modules: Sequence[str], min_shards: int,
@@ -425,16 +450,16 @@ def _add_task(p, task: tasks.Task, directory: str, modules: Sequence[str], min_s
     _ = (examples
          | f"{label}_encode" >> beam.Map(tf_example.encode)
          | f"{label}_write" >> beam.io.WriteToTFRecord(
-             os.path.join(directory, f"{split}.tfrecord"), num_shards=n))
+             storage.join(directory, f"{split}.tfrecord"), num_shards=n))
     _ = (examples
          | f"{label}_sample" >> beam.combiners.Sample.FixedSizeGlobally(1)
          | f"{label}_info" >> beam.Map(lambda ex, n=n: to_json(info_dict(ex, n)))
          | f"{label}_write_info" >> beam.io.WriteToText(
-             os.path.join(directory, f"info.{split}.json"), num_shards=1,
+             storage.join(directory, f"info.{split}.json"), num_shards=1,
              shard_name_template=""))
     _ = (examples
          | f"{label}_stats" >> beam.CombineGlobally(TokenStats(special))
          | f"{label}_json" >> beam.Map(to_json)
          | f"{label}_write_stats" >> beam.io.WriteToText(
-             os.path.join(directory, f"stats.{split}.json"), num_shards=1,
+             storage.join(directory, f"stats.{split}.json"), num_shards=1,
              shard_name_template=""))
