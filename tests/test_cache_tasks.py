@@ -124,11 +124,11 @@ def test_base_seed_makes_a_random_step_reproducible(tmp_path, shared_cache):
     _noisy_task("noisy_a")
     _noisy_task("noisy_b")
 
-    def run(out, seed):
-      cache_tasks.cache_tasks(["noisy_.*"], str(tmp_path / out), min_shards=2, base_seed=seed)
-      return {t: _examples(tmp_path / out / t, "train") for t in ("noisy_a", "noisy_b")}
+    def run(out, seed, pattern="noisy_.*"):
+      cache_tasks.cache_tasks([pattern], str(tmp_path / out), min_shards=2, base_seed=seed)
+      return {t: _examples(tmp_path / out / t, "train") for t in os.listdir(tmp_path / out)}
 
-    first, again, other = run("1", 7), run("2", 7), run("3", 8)
+    first, again, other = run("1", 7), run("2", 7), run("3", 8, "noisy_a")
     assert first == again
     assert first["noisy_a"] != other["noisy_a"]
     assert first["noisy_a"] != first["noisy_b"]  # the task name is in the seed
@@ -295,3 +295,18 @@ def test_a_cache_in_a_bucket(bible, bucket_env, tmp_path):
   with pytest.raises(Exception, match="boom"):
     cache_tasks.cache_tasks(["failing"], out, min_shards=1)
   assert sorted(storage.listdir(out)) == ["bible_cached"]
+
+
+def test_input_shards_are_the_source_files():
+  source = seqio.TfdsDataSource(
+      "bible_verses/en_es:1.0.0", splits={"a": "train", "b": "train[500:1700]"},
+      tfds_data_dir=os.path.join(SHARED, "testdata", "formats", "tfds_tfrecord"))
+  whole = source.get("a").shards()
+  assert len(whole) == 3 and whole[0][0] == 0 and whole[-1][1] == 2400
+  assert all(a[1] == b[0] for a, b in zip(whole, whole[1:]))
+  # A slice keeps the part of each file it covers.
+  cut = source.get("b").shards()
+  assert cut[0][0] == 0 and cut[-1][1] == 1200
+  assert [hi - lo for lo, hi in cut] == [
+      min(1700, hi) - max(500, lo) for lo, hi in whole if min(1700, hi) > max(500, lo)]
+  assert seqio.InMemoryDataSource({"x": [{"a": 1}] * 5}).get("x").shards() == [(0, 5)]

@@ -28,7 +28,7 @@ COMMANDS = {
 
 def _usage() -> str:
   lines = ["usage: t5forge <command> [flags]", "", "commands:"]
-  lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
+  lines += [f"  {name:<12} {help_}" for name, (_, help_) in COMMANDS.items()]
   lines += ["", "`t5forge <command> --help` shows a command's flags."]
   return "\n".join(lines)
 

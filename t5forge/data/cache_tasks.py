@@ -97,12 +97,15 @@ def _python_dtype(values: Sequence[Any]) -> str:
 
 
 def _dtype_name(value: Any) -> str:
+  """The dtype name SeqIO's info.json gives a value: a numpy array's or scalar's own (any
+  text: "string"), else what `tf.constant` makes of the Python values."""
   if isinstance(value, (np.ndarray, np.generic)):
-    kind = np.asarray(value).dtype
-    if kind.kind in "USO":
-      return "string"
-    return kind.name
-  return _python_dtype(list(np.asarray(value, dtype=object).reshape(-1)))
+    dtype = np.asarray(value).dtype
+    return "string" if dtype.kind in "USO" else dtype.name
+  values = list(np.asarray(value, dtype=object).reshape(-1))
+  if values and all(isinstance(v, np.generic) for v in values):
+    return _dtype_name(np.asarray(values))
+  return _python_dtype(values)
 
 
 def feature_info(value: Any) -> dict[str, Any]:
@@ -112,8 +115,7 @@ def feature_info(value: Any) -> dict[str, Any]:
   ragged = tf_example.nested_rows(value)
   if ragged is not None:
     flat, lengths = ragged
-    return {"dtype": _python_dtype(flat) if not flat or not isinstance(flat[0], np.generic)
-            else _dtype_name(np.asarray(flat)), "shape": [None] * (len(lengths) + 1)}
+    return {"dtype": _dtype_name(flat), "shape": [None] * (len(lengths) + 1)}
   shape = list(np.shape(value)) if not isinstance(value, (str, bytes)) else []
   return {"dtype": _dtype_name(value), "shape": [None] + shape[1:] if shape else []}
 
@@ -235,12 +237,14 @@ class _PreprocessShards(beam.DoFn):
     if self._task_name not in tasks.TaskRegistry.names():
       import_modules(self._modules)
     self._task = tasks.TaskRegistry.get(self._task_name)
+    self._examples = beam.metrics.Metrics.counter(f"{self._task_name}_{self._split}",
+                                                  "examples")
 
   def process(self, shard):
     index, (start, stop) = shard
     seed = shard_seed(self._task_name, index, self._seed)
     for ex in preprocess_shard(self._task, self._split, start, stop, seed):
-      beam.metrics.Metrics.counter(f"{self._task_name}_{self._split}", "examples").inc()
+      self._examples.inc()
       yield ex
 
 
