@@ -310,3 +310,37 @@ def test_input_shards_are_the_source_files():
   assert [hi - lo for lo, hi in cut] == [
       min(1700, hi) - max(500, lo) for lo, hi in whole if min(1700, hi) > max(500, lo)]
   assert seqio.InMemoryDataSource({"x": [{"a": 1}] * 5}).get("x").shards() == [(0, 5)]
+
+
+def test_ragged_features_round_trip(tmp_path, cache):
+  """A list of lists (ints, and text) is cached with SeqIO's row lengths and comes back
+  from use_cached=True as the uncached run makes it."""
+  def split_words(ex):
+    words = ex["targets"].split()
+    return dict(ex, words=[w.split("o") for w in words],
+                spans=[list(range(len(w))) for w in words])
+
+  rows = [{"targets": t} for t in ("one two", "go to town now", "o", "book of words")]
+  task = seqio.TaskRegistry.add(
+      "ragged", seqio.InMemoryDataSource({"train": rows}),
+      preprocessors=[split_words, seqio.preprocessors.tokenize,
+                     seqio.CacheDatasetPlaceholder()],
+      output_features={"targets": seqio.Feature(seqio.ByteVocabulary())}, overwrite=True)
+  try:
+    cache_tasks.cache_tasks(["ragged"], str(tmp_path), min_shards=1)
+    info = json.loads((tmp_path / "ragged" / "info.train.json").read_text())
+    assert info["features"]["spans"] == {"dtype": "int32", "shape": [None, None]}
+    assert info["features"]["words"] == {"dtype": "string", "shape": [None, None]}
+    seqio.set_global_cache_dirs([str(tmp_path)])
+    cached = list(task.get_dataset(None, "train", use_cached=True, shuffle=False))
+    fresh = list(task.get_dataset(None, "train", shuffle=False))
+
+    def plain(ex):
+      return json.dumps({k: (v.tolist() if isinstance(v, np.ndarray) else
+                             [r.tolist() if isinstance(r, np.ndarray) else r for r in v]
+                             if isinstance(v, list) else v) for k, v in ex.items()},
+                        sort_keys=True)
+    assert sorted(map(plain, cached)) == sorted(map(plain, fresh))
+  finally:
+    seqio.set_global_cache_dirs([])
+    seqio.TaskRegistry.remove("ragged")

@@ -336,28 +336,25 @@ def ragged_length_key(key: str, dim: int) -> str:
 
 
 def nested_rows(value: Any) -> tuple[list, list[list[int]]] | None:
-  """A ragged value (nested lists whose rows differ in length) -> (its flat values, the
-  row lengths of each nesting level, outermost first), as a `tf.RaggedTensor`'s
-  `flat_values` and `nested_row_lengths()`; None for a value numpy holds as a dense array.
+  """A ragged value -> (its flat values, the row lengths of each nesting level, outermost
+  first), as a `tf.RaggedTensor`'s `flat_values` and `nested_row_lengths()`; None for a
+  value that is not ragged.
 
-  E.g. [[1, 2], [3]] -> ([1, 2, 3], [[2, 1]]); [[[1], [2, 3]], [[4]]] -> ([1, 2, 3, 4],
-  [[2, 1], [1, 2, 1]]).
+  A Python list (or tuple) of lists / tuples / 1-D arrays is ragged whatever its rows'
+  lengths, so that a feature is ragged in every example or in none; a numpy array of
+  rank > 1 is dense. E.g. [[1, 2], [3]] -> ([1, 2, 3], [[2, 1]]); [[[1], [2, 3]], [[4]]] ->
+  ([1, 2, 3, 4], [[2, 1], [1, 2, 1]]).
   """
-  if not isinstance(value, (list, tuple, np.ndarray)):
+  if isinstance(value, np.ndarray) and value.dtype == object:
+    value = list(value)
+  if not isinstance(value, (list, tuple)) or not value:
     return None
-  if isinstance(value, np.ndarray) and value.dtype != object:
-    return None
-  try:
-    if np.asarray(value).dtype != object:
-      return None
-  except ValueError:  # numpy refuses rows of different lengths: ragged
-    pass
   rows, lengths = list(value), []
-  while rows and all(isinstance(r, (list, tuple, np.ndarray)) for r in rows):
+  while rows and all(isinstance(r, (list, tuple)) or (isinstance(r, np.ndarray) and r.ndim == 1)
+                     for r in rows):
     lengths.append([len(r) for r in rows])
-    rows = [x for r in rows for x in (r.reshape(-1) if isinstance(r, np.ndarray) and r.ndim > 1
-                                      else r)]
-  return rows, lengths
+    rows = [x for r in rows for x in r]
+  return (rows, lengths) if lengths else None
 
 
 def _set_values(feature: Any, values: Sequence[Any]) -> None:
