@@ -203,6 +203,10 @@ def test_bad_runner(bible, tmp_path):
   with pytest.raises(UserError) as e:
     cache_tasks.cache_tasks(["bible_cached"], str(tmp_path), options="--runner=NoSuchRunner")
   assert "unknown Beam runner 'NoSuchRunner'" in _one_line(e)
+  with pytest.raises(UserError) as e:
+    cache_tasks.cache_tasks(["bible_cached"], str(tmp_path), options="--direct_num_worker=2")
+  assert "Beam has no option --direct_num_worker" in _one_line(e)
+  assert not os.listdir(tmp_path)
 
 
 def test_output_dir_not_writable_or_holding_an_incomplete_cache(bible, tmp_path):

@@ -39,8 +39,8 @@ def _parser() -> argparse.ArgumentParser:
                            "and input shard)")
   parser.add_argument("--pipeline_options", default="--runner=DirectRunner",
                       help="Beam flags, passed to Beam as they are (space- or "
-                           "comma-separated), e.g. '--runner=FlinkRunner "
-                           "--flink_master=host:8081'")
+                           "comma-separated); give them after '=': "
+                           "--pipeline_options='--runner=FlinkRunner --flink_master=host:8081'")
   return parser
 
 

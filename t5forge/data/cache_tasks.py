@@ -311,10 +311,16 @@ def pipeline_options(text: str) -> PipelineOptions:
   comma-separated as SeqIO's `--pipeline_options` list ("--runner=X,--flag=Y").
 
   Raises:
-    UserError: an unknown runner.
+    UserError: an unknown runner or option.
   """
   argv = [part for token in shlex.split(text or "") for part in re.split(r",(?=--)", token)]
   options = PipelineOptions(argv)
+  # Beam drops a flag it does not know with a warning; a typo would then change nothing.
+  unknown = sorted(set(options.get_all_options(retain_unknown_options=True))
+                   - set(options.get_all_options()))
+  if unknown:
+    raise UserError(f"--pipeline_options: Beam has no option {', '.join('--' + u for u in unknown)}"
+                    "; check the spelling against the runner's pipeline options")
   runner = options.view_as(StandardOptions).runner
   if runner:
     from apache_beam.runners import create_runner  # noqa: PLC0415 (only to check the name)
