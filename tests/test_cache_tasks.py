@@ -348,3 +348,23 @@ def test_ragged_features_round_trip(tmp_path, cache):
   finally:
     seqio.set_global_cache_dirs([])
     seqio.TaskRegistry.remove("ragged")
+
+
+@pytest.mark.slow
+def test_t5forge_train_reads_the_cache(written, tmp_path):
+  """T5X's way: USE_CACHED_TASKS = True and --seqio_additional_cache_dirs; two steps of
+  the tiny model on what cache_tasks wrote (the task module is imported by the run)."""
+  gin = tmp_path / "cached.gin"
+  gin.write_text("\n".join([
+      "include 'runs/pretrain.gin'", "include 'models/t5_1_1/tiny.gin'",
+      "MIXTURE_OR_TASK_NAME = 'bible_cached'", "MIXTURE_OR_TASK_MODULE = 'seqio_bible_task'",
+      "USE_CACHED_TASKS = True", "TASK_FEATURE_LENGTHS = {'inputs': 32, 'targets': 32}",
+      "TRAIN_STEPS = 2", "BATCH_SIZE = 8", "DROPOUT_RATE = 0.0", "EVAL_PERIOD = 1000",
+      "network.ModelConfig.vocab_size = 1000", "network.ModelConfig.dtype = 'float32'", ""]))
+  proc = subprocess.run(
+      [sys.executable, "-m", "t5forge", "train", f"--gin_file={gin}",
+       f"--gin.MODEL_DIR='{tmp_path / 'model'}'", f"--seqio_additional_cache_dirs={written}"],
+      capture_output=True, text=True, timeout=500, cwd=ROOT,
+      env=dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, TESTS])))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "training stopped at step 2" in proc.stdout + proc.stderr
