@@ -12,8 +12,10 @@ and trains with `use_cached=True` and `--seqio_additional_cache_dirs=DIR`. Here 
 `add_global_cache_dirs([DIR])` (SeqIO's name; the flag calls it) and
 `Task.get_dataset(..., use_cached=True)` (the run gins' `USE_CACHED_TASKS`), which reads
 the cache in place of the source and skips the task's preprocessors up to its
-`CacheDatasetPlaceholder`, as SeqIO does. The cache's examples come in file order (SeqIO
-interleaves 16 shards; the task then shuffles them globally either way). A task name with
+`CacheDatasetPlaceholder`, as SeqIO does. A ragged feature (info shape [None, None, ...],
+row lengths in `_rl:<dim>:<key>`) comes back as nested lists. `t5forge cache_tasks`
+(`cache_tasks.py`, on Apache Beam) writes such caches. The cache's examples come in file
+order (SeqIO interleaves 16 shards; the task then shuffles them globally either way). A task name with
 '' is looked for in nested directories, as SeqIO's `get_task_dir_from_name`.
 
 DIR may be a bucket (`gs://` or `s3://`): the metadata is read from there and each shard
