@@ -13,33 +13,15 @@ import numpy as np
 import pytest
 
 from conftest import SHARED
+from seqio_bible_task import register
 from t5forge import data as seqio
 from t5forge.cli import data_flags
-from t5forge.data import preprocessors as pre
 from t5forge.data import records, seqio_cache
 from t5forge.errors import UserError
 
 FORMATS = os.path.join(SHARED, "testdata", "formats")
 CACHE = os.path.join(FORMATS, "seqio", "seqio_cache")
 EXPECTED = json.load(gzip.open(os.path.join(FORMATS, "seqio", "seqio_expected.json.gz")))
-VOCAB = seqio.SentencePieceVocabulary(os.path.join(FORMATS, "seqio", "spiece.model"))
-
-
-def to_pair(ex):
-  return {"inputs": "translate English to Spanish: " + ex["translation"]["en"],
-          "targets": ex["translation"]["es"]}
-
-
-def register(name="bible_cached", vocab=VOCAB, placeholder=True, required=False):
-  steps = [to_pair, pre.tokenize]
-  if placeholder:
-    steps.append(seqio.CacheDatasetPlaceholder(required=required))
-  steps.append(pre.append_eos_after_trim)
-  return seqio.TaskRegistry.add(
-      name, seqio.TfdsDataSource("bible_verses/en_es:1.0.0",
-                                 tfds_data_dir=os.path.join(FORMATS, "tfds_tfrecord")),
-      preprocessors=steps, output_features={"inputs": seqio.Feature(vocab),
-                                            "targets": seqio.Feature(vocab)}, overwrite=True)
 
 
 @pytest.fixture(autouse=True)

@@ -21,12 +21,14 @@ COMMANDS = {
     "vocab": ("t5forge.cli.vocab", "train or inspect SentencePiece vocabularies"),
     "serve": ("t5forge.cli.serve", "serve a checkpoint over HTTP: OpenAI-compatible completions"),
     "export": ("t5forge.cli.export", "export a model as jax.export functions + weights (or HF)"),
+    "cache_tasks": ("t5forge.cli.cache_tasks",
+                    "write SeqIO caches of tasks on Apache Beam (use_cached=True reads them)"),
 }
 
 
 def _usage() -> str:
   lines = ["usage: t5forge <command> [flags]", "", "commands:"]
-  lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
+  lines += [f"  {name:<12} {help_}" for name, (_, help_) in COMMANDS.items()]
   lines += ["", "`t5forge <command> --help` shows a command's flags."]
   return "\n".join(lines)
 

@@ -218,6 +218,9 @@ class RecordSource(sources.SplitSource):
   def describe(self):
     return sources.describe_files(self._records.paths)
 
+  def shards(self):
+    return sources.ranges_of(self._records.counts)
+
 
 class _WithWhere:
   """A picklable `(data, where) -> dict` from a `bytes -> dict` function."""

@@ -12,8 +12,10 @@ and trains with `use_cached=True` and `--seqio_additional_cache_dirs=DIR`. Here 
 `add_global_cache_dirs([DIR])` (SeqIO's name; the flag calls it) and
 `Task.get_dataset(..., use_cached=True)` (the run gins' `USE_CACHED_TASKS`), which reads
 the cache in place of the source and skips the task's preprocessors up to its
-`CacheDatasetPlaceholder`, as SeqIO does. The cache's examples come in file order (SeqIO
-interleaves 16 shards; the task then shuffles them globally either way). A task name with
+`CacheDatasetPlaceholder`, as SeqIO does. A ragged feature (info shape [None, None, ...],
+row lengths in `_rl:<dim>:<key>`) comes back as nested lists. `t5forge cache_tasks`
+(`cache_tasks.py`, on Apache Beam) writes such caches. The cache's examples come in file
+order (SeqIO interleaves 16 shards; the task then shuffles them globally either way). A task name with
 '' is looked for in nested directories, as SeqIO's `get_task_dir_from_name`.
 
 DIR may be a bucket (`gs://` or `s3://`): the metadata is read from there and each shard
@@ -28,6 +30,8 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+import numpy as np
 
 
 from t5forge import storage
@@ -112,23 +116,42 @@ def cached_splits(directory: str) -> list[str]:
     return []
 
 
-def _description(features: Mapping[str, Any], where: str) -> dict[str, Any]:
-  """info.json's features -> TF feature specs, as SeqIO's `_CachedDataSource` builds them
-  (int32 and bool are stored as int64; a leading None is a sequence)."""
-  out = {}
+def _description(features: Mapping[str, Any], where: str) -> tuple[dict[str, Any], dict[str, int]]:
+  """info.json's features -> (TF feature specs, ragged feature -> its ragged dimensions),
+  as SeqIO's `_CachedDataSource` builds them (int32 and bool are stored as int64; a leading
+  None is a sequence; a None after it a ragged dimension, whose row lengths are the
+  `_rl:<dim>:<key>` features)."""
+  out, ragged = {}, {}
   for key, desc in features.items():
     try:
       dtype, shape = desc["dtype"], list(desc.get("shape") or [])
     except (KeyError, TypeError):
       raise UserError(f"{where}: feature {key!r} has no dtype/shape") from None
     if any(d is None for d in shape[1:]):
-      raise UserError(f"{where}: feature {key!r} has shape {shape} (ragged); t5forge reads "
-                      "cached features of shape [] or [None, ...]")
-    if shape and shape[0] is None:
+      if not all(d is None for d in shape):
+        raise UserError(f"{where}: feature {key!r} has shape {shape}; t5forge reads cached "
+                        "ragged features whose every dimension is ragged ([None, None, ...]), "
+                        "as SeqIO writes a list of lists")
+      ragged[key] = len(shape) - 1
+      out[key] = tf_example.FixedLenSequenceFeature([], dtype, allow_missing=True)
+      for dim in range(ragged[key]):
+        out[tf_example.ragged_length_key(key, dim)] = tf_example.FixedLenSequenceFeature(
+            [], "int64", allow_missing=True)
+    elif shape and shape[0] is None:
       out[key] = tf_example.FixedLenSequenceFeature(shape[1:], dtype, allow_missing=True)
     else:
       out[key] = tf_example.FixedLenFeature(shape, dtype)
-  return out
+  return out, ragged
+
+
+def _nest(flat: Any, lengths: list[Any]) -> list:
+  """Flat values and the row lengths of each ragged dimension (outermost first) -> nested
+  lists, the innermost rows as they were decoded (arrays, or lists of text)."""
+  rows = flat
+  for row_lengths in reversed(lengths):
+    ends = np.cumsum(np.asarray(row_lengths, np.int64))
+    rows = [rows[a:b] for a, b in zip(np.concatenate([[0], ends[:-1]]), ends)]
+  return rows
 
 
 class CachedSplitSource(sources.SplitSource):
@@ -157,7 +180,8 @@ class CachedSplitSource(sources.SplitSource):
       raise UserError(f"{info_path}: missing or invalid field {e}; the cache is damaged") \
           from None
     self._dtypes = {k: v.get("dtype") for k, v in features.items()}
-    decoder = tf_example.ExampleDecoder(_description(features, info_path))
+    description, self._ragged = _description(features, info_path)
+    decoder = tf_example.ExampleDecoder(description)
     paths, fmt = self._shards(num_shards)
     if fmt == "tfrecord":
       self._records = records.RecordFiles(paths, compression_type="")
@@ -195,6 +219,8 @@ class CachedSplitSource(sources.SplitSource):
       v = ex.get(k)
       if v is not None and v.size and (top := int(v.max())) >= size:
         self._refuse(k, top, self._records.where(i))
+    for key, dims in self._ragged.items():
+      ex[key] = _nest(ex[key], [ex.pop(tf_example.ragged_length_key(key, d)) for d in range(dims)])
     for old, new in self._renamed:  # caches written before SeqIO renamed the feature
       if old in ex:
         ex[new] = ex.pop(old)

@@ -56,6 +56,21 @@ class SplitSource:
   def describe(self) -> str:
     return type(self).__name__
 
+  def shards(self) -> list[tuple[int, int]]:
+    """The split's input shards as [start, stop) index ranges that tile [0, len): one per
+    file where the examples come from files (SeqIO's `list_shards`), else one. A SeqIO
+    cache gets at least this many output shards, and each is preprocessed apart."""
+    return [(0, len(self))]
+
+
+def ranges_of(counts: Sequence[int]) -> list[tuple[int, int]]:
+  """Consecutive [start, stop) ranges of the given lengths, e.g. [2, 3] -> [(0, 2), (2, 5)]."""
+  out, start = [], 0
+  for n in counts:
+    out.append((start, start + int(n)))
+    start += int(n)
+  return out
+
 
 class LineSource(SplitSource):
   """Plain text, one example a line: `{"text": line}`."""

@@ -192,6 +192,22 @@ class Task:
         return p
     return None
 
+  def precache_preprocessors(self) -> list:
+    """What a SeqIO cache of this task holds the output of: its preprocessors before the
+    CacheDatasetPlaceholder, expanded as `get_dataset` runs them (without sequence
+    lengths: as SeqIO, a cache is written before they are known).
+
+    Raises:
+      UserError: the task has no CacheDatasetPlaceholder.
+    """
+    placeholder = self._placeholder()
+    if placeholder is None:
+      raise UserError(f"task {self.name!r} has no CacheDatasetPlaceholder, so it cannot be "
+                      "cached; add seqio.CacheDatasetPlaceholder() to its preprocessors where "
+                      "the cache should end (after tokenize, before random or length steps)")
+    steps = list(self.preprocessors)
+    return pre.expand(steps[:steps.index(placeholder)], None, self.output_features)
+
   def _plan(self, sequence_length, cached: bool = False) -> tuple[list, list, bool]:
     """Splits the preprocessors into the offline and the online stage; `cached`: only those
     after the CacheDatasetPlaceholder (a SeqIO cache holds what precedes it)."""

@@ -329,19 +329,60 @@ def looks_like_example(data: bytes) -> bool:
   return not data or data[:1] == b"\x0a"
 
 
+def ragged_length_key(key: str, dim: int) -> str:
+  """SeqIO's `tfexample_ragged_length_key`: the feature that holds the row lengths of
+  ragged dimension `dim` (0: the outermost) of feature `key`."""
+  return f"_rl:{dim}:{key}"
+
+
+def nested_rows(value: Any) -> tuple[list, list[list[int]]] | None:
+  """A ragged value -> (its flat values, the row lengths of each nesting level, outermost
+  first), as a `tf.RaggedTensor`'s `flat_values` and `nested_row_lengths()`; None for a
+  value that is not ragged.
+
+  A Python list (or tuple) of lists / tuples / 1-D arrays is ragged whatever its rows'
+  lengths, so that a feature is ragged in every example or in none; a numpy array of
+  rank > 1 is dense. E.g. [[1, 2], [3]] -> ([1, 2, 3], [[2, 1]]); [[[1], [2, 3]], [[4]]] ->
+  ([1, 2, 3, 4], [[2, 1], [1, 2, 1]]).
+  """
+  if isinstance(value, np.ndarray) and value.dtype == object:
+    value = list(value)
+  if not isinstance(value, (list, tuple)) or not value:
+    return None
+  rows, lengths = list(value), []
+  while rows and all(isinstance(r, (list, tuple)) or (isinstance(r, np.ndarray) and r.ndim == 1)
+                     for r in rows):
+    lengths.append([len(r) for r in rows])
+    rows = [x for r in rows for x in r]
+  return (rows, lengths) if lengths else None
+
+
+def _set_values(feature: Any, values: Sequence[Any]) -> None:
+  values = [v.item() if isinstance(v, np.generic) else v for v in values]
+  if all(isinstance(v, (str, bytes)) for v in values) and values:
+    feature.bytes_list.value.extend(v.encode() if isinstance(v, str) else v for v in values)
+  elif all(isinstance(v, (bool, int)) for v in values):
+    feature.int64_list.value.extend(int(v) for v in values)
+  else:
+    feature.float_list.value.extend(float(v) for v in values)
+
+
 def encode(example: Mapping[str, Any]) -> bytes:
   """A dict of str/bytes/int/float (or lists / numpy arrays of them) -> a serialized Example,
-  as SeqIO's `dict_to_tfexample` writes it (ints as int64, floats as float32)."""
+  as SeqIO's `dict_to_tfexample` writes it (ints as int64, floats as float32; an array of
+  rank > 1 flattened; a ragged value as its flat values plus one row-length feature per
+  ragged dimension, `ragged_length_key`)."""
   msg = Example()
   fmap = msg.features.feature
   for key, value in example.items():
+    ragged = nested_rows(value)
+    if ragged is not None:
+      flat, lengths = ragged
+      _set_values(fmap[key], flat)
+      for dim, row_lengths in enumerate(lengths):
+        fmap[ragged_length_key(key, dim)].int64_list.value.extend(row_lengths)
+      continue
     values = np.asarray(value).reshape(-1) if isinstance(value, np.ndarray) else (
-        list(value) if isinstance(value, (list, tuple)) else [value])
-    values = [v.item() if isinstance(v, np.generic) else v for v in values]
-    if all(isinstance(v, (str, bytes)) for v in values) and values:
-      fmap[key].bytes_list.value.extend(v.encode() if isinstance(v, str) else v for v in values)
-    elif all(isinstance(v, (bool, int)) for v in values):
-      fmap[key].int64_list.value.extend(int(v) for v in values)
-    else:
-      fmap[key].float_list.value.extend(float(v) for v in values)
+        list(np.asarray(value).reshape(-1)) if isinstance(value, (list, tuple)) else [value])
+    _set_values(fmap[key], values)
   return msg.SerializeToString()

@@ -407,6 +407,19 @@ class TfdsSplitSource(sources.SplitSource):
   def describe(self):
     return f"{self._info.directory} split {self._spec!r}"
 
+  def shards(self):
+    """One range per shard file a split range touches (a file cut by a slice gives the
+    part of it in the slice), as SeqIO's TFDS file instructions."""
+    counts = []
+    for split, lo, hi in self._ranges:
+      start = 0
+      for n in self._info.splits[split].shard_lengths:
+        part = min(hi, start + n) - max(lo, start)
+        if part > 0:
+          counts.append(part)
+        start += n
+    return sources.ranges_of(counts)
+
   def __getstate__(self):
     return {"directory": self._info.directory, "spec": self._spec}
 
