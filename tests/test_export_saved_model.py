@@ -252,6 +252,19 @@ def test_failed_save_leaves_nothing(exported, tmp_path, monkeypatch):
   assert os.listdir(tmp_path) == []
 
 
+def test_other_platform_is_one_line(exported, tmp_path):
+  """A SavedModel lowered for TPU only (jax2tf lowers it on this CPU machine) refuses to run
+  here in one line, not TF's multi-line graph error."""
+  out = str(tmp_path / "tpu")
+  sm.export_saved_model(exported.model.model, exported.model.params,
+                        exported.model.vocabulary, out, input_lengths=[8], decode_lengths=[4],
+                        warmup_batch_sizes=[1], platforms=("tpu",), log=lambda _: None)
+  with pytest.raises(UserError) as e:
+    sm.SavedModelRunner(out).generate(["a"], 4)
+  assert str(e.value) == (f"{out}: exported for tpu, not this machine's; re-export with "
+                          "--platforms naming it")
+
+
 def test_t5forge_and_its_cli_do_not_import_tensorflow():
   code = ("import sys, t5forge, t5forge.cli.main, t5forge.cli.export, "
           "t5forge.export.saved_model\n"

@@ -322,7 +322,13 @@ class SavedModelRunner:
       args.update(temperature=tf.constant(np.full((b,), temperature, np.float32)),
                   topp=tf.constant(np.full((b,), topp, np.float32)),
                   seed=tf.constant(np.uint32(seed)))
-    out = self.model.signatures[entry["name"]](**args)
+    try:
+      out = self.model.signatures[entry["name"]](**args)
+    except tf.errors.NotFoundError as e:
+      if "is not among the platforms required by the module" not in str(e):
+        raise
+      raise UserError(f"{self.path}: exported for {', '.join(self.manifest['platforms'])}, "
+                      "not this machine's; re-export with --platforms naming it") from None
     return (out["tokens"].numpy()[:, :max_new_tokens].astype(np.int32),
             out["scores"].numpy().astype(np.float32))
 
