@@ -19,7 +19,7 @@ from t5forge.errors import UserError
 from t5forge.export import loader
 from t5forge.export import saved_model as sm
 from t5forge.export import writer
-from train_helpers import ROOT
+from train_helpers import ROOT, error_line
 
 pytestmark = pytest.mark.slow  # imports TensorFlow and converts four decode loops
 
@@ -228,6 +228,11 @@ def test_bad_flags_and_missing_tensorflow_are_one_line(exported, tmp_path, monke
   with pytest.raises(UserError, match=r"no greedy signature fits input length 70 and decode "
                      r"length 16; exported \(input, decode\) lengths: \[\(24, 16\), \(64, 16\)\]"):
     sm.SavedModelRunner(exported.out).run(np.ones((1, 70), np.int32), DECODE)
+  runner = sm.SavedModelRunner(exported.out)
+  with pytest.raises(UserError, match=r"ids outside \[0, 8192\): min 1, max 9000"):
+    runner.run(np.array([[9000, 1]]), 4)
+  with pytest.raises(UserError, match="max_new_tokens must be >= 1, got 0"):
+    runner.run(np.array([[5, 1]]), 0)
   # Without TensorFlow (None in sys.modules makes `import tensorflow` raise ImportError).
   monkeypatch.setitem(sys.modules, "tensorflow", None)
   assert _main_error(*base, "--format", "saved_model") == (
@@ -263,6 +268,21 @@ def test_other_platform_is_one_line(exported, tmp_path):
     sm.SavedModelRunner(out).generate(["a"], 4)
   assert str(e.value) == (f"{out}: exported for tpu, not this machine's; re-export with "
                           "--platforms naming it")
+
+
+def test_cli_without_tensorflow_says_so_in_one_line(exported, tmp_path):
+  """The command itself (`t5forge.cli.main`, as `python -m t5forge` runs it) in a process
+  where TensorFlow cannot be imported: exit 2, one `t5forge: error:` line, nothing written."""
+  out = str(tmp_path / "x")
+  code = ("import sys\nsys.modules['tensorflow'] = None\nfrom t5forge.cli.main import main\n"
+          f"main(['export', '--checkpoint', {exported.ckpt!r}, '--output', {out!r}, "
+          "'--format', 'saved_model'])")
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                     timeout=120)
+  assert error_line(r) == ("t5forge: error: --format saved_model needs TensorFlow: pip "
+                           "install 't5forge[tf]' (or tensorflow==2.21.0), or export "
+                           "--format jax")
+  assert not os.path.exists(out)
 
 
 def test_t5forge_and_its_cli_do_not_import_tensorflow():

@@ -309,7 +309,16 @@ class SavedModelRunner:
           temperature: float = 1.0, topp: float = 0.0,
           seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Model-ready tokens [b, i] -> new tokens [b, max_new_tokens] int32, scores [b]."""
-    x = np.asarray(inputs, np.int32)
+    x = np.asarray(inputs)
+    if x.ndim != 2 or not np.issubdtype(x.dtype, np.integer):
+      raise UserError(f"inputs must be integer tokens [batch, length], got {x.dtype} with "
+                      f"shape {list(x.shape)}")
+    v = self.manifest["model"]["vocab_size"]
+    if x.size and (x.min() < 0 or x.max() >= v):
+      # The compiled embedding lookup would clamp such ids silently.
+      raise UserError(f"inputs have ids outside [0, {v}): min {x.min()}, max {x.max()}")
+    if max_new_tokens < 1:
+      raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     b = x.shape[0]
     used = int(np.max(np.nonzero(x.any(axis=0))[0], initial=-1)) + 1
     entry = self.pick(method, max(used, 1 if self.is_encoder_decoder else 2), max_new_tokens)
