@@ -222,6 +222,11 @@ def test_bad_flags_and_missing_tensorflow_are_one_line(exported, tmp_path, monke
       "--format 'tf': choose jax, saved_model or hf")
   assert _main_error(*base, "--format", "hf", "--decode_lengths", "4") == (
       "--decode_lengths apply to --format jax and saved_model only, not hf")
+  assert _main_error(*base, "--format", "saved_model", "--batch_sizes", "1,2",
+                     "--input_lengths", ",".join(map(str, range(2, 42))),
+                     "--decode_lengths", ",".join(map(str, range(1, 26)))) == (
+      "2000 warm-up requests (1000 signatures x 2 --batch_sizes); TF Serving reads at most "
+      "1000: give fewer lengths or batch sizes")
   assert _main_error("--checkpoint", ckpt, "--output", exported.out,
                      "--format", "saved_model").endswith(
       "exists and is not empty; choose a new output directory")

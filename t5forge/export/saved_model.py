@@ -54,7 +54,8 @@ MANIFEST_FILE = "assets.extra/t5forge.json"
 WARMUP_FILE = "assets.extra/tf_serving_warmup_requests"
 VOCAB_FILE = "assets/spiece.model"
 DEFAULT_SIGNATURE = "serving_default"
-# TF Serving reads at most this many warm-up records (its kMaxNumRecordsPerWarmup).
+# TF Serving's warm-up guide (tfx/serving/saved_model_warmup): "Number of warmup records
+# <= 1000".
 MAX_WARMUP_RECORDS = 1000
 
 
@@ -203,6 +204,8 @@ def export_saved_model(model, params: dict, vocab, out_dir: str, *,
   signatures, entries = {}, []
   for method, i, l in keys:
     start = time.perf_counter()
+    # Native serialization is jax2tf's only mode in jax 0.10 (its `native_serialization`
+    # argument is deprecated and ignored), so it is not passed.
     converted = jax2tf.convert(
         writer.generate_fn(model, method, l), polymorphic_shapes=_polymorphic_shapes(method),
         with_gradient=False, native_serialization_platforms=platforms)
