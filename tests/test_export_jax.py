@@ -318,7 +318,7 @@ def test_bad_flags_one_line(enc_dec, tmp_path):
   missing = str(tmp_path / "nope")
   assert missing in error_line(_cli("export", "--checkpoint", missing, "--output", out,
                                     "--format", "jax"))
-  assert "--format 'onnx': choose jax or hf" in error_line(
+  assert "--format 'onnx': choose jax, saved_model or hf" in error_line(
       _cli("export", "--checkpoint", ckpt, "--output", out, "--format", "onnx"))
   assert "--batch_sizes '1,x': give comma-separated integers" in error_line(
       _cli("export", "--checkpoint", ckpt, "--output", out, "--format", "jax",
@@ -329,7 +329,7 @@ def test_bad_flags_one_line(enc_dec, tmp_path):
   assert "--platforms: unknown platform(s) ['gpu']" in error_line(
       _cli("export", "--checkpoint", ckpt, "--output", out, "--format", "jax",
            "--platforms", "cpu,gpu"))
-  assert "--batch_sizes apply to --format jax only" in error_line(
+  assert "--batch_sizes apply to --format jax and saved_model only" in error_line(
       _cli("export", "--checkpoint", ckpt, "--output", out, "--format", "hf",
            "--batch_sizes", "2"))
   assert not os.path.exists(out)

@@ -1,4 +1,4 @@
-"""`t5forge export --checkpoint PATH --output DIR --format {jax,hf}`.
+"""`t5forge export --checkpoint PATH --output DIR --format {jax,saved_model,hf}`.
 
 --format jax serializes the whole generate function (encoder + compiled decode loop) with
 `jax.export` for each (batch size, input length, decode length), beside the weights
@@ -9,6 +9,13 @@
     python -c "import load_exported as le; print(le.ExportedModel('.').generate(['...']))"
 
 or serve it: `t5forge serve --checkpoint DIR`.
+
+--format saved_model (the `t5forge[tf]` extra) converts the same generate functions with
+jax2tf into a TensorFlow SavedModel for TF Serving / Vertex AI: one batch-polymorphic
+signature per (method, input length, decode length) taking token ids, the vocabulary in
+assets/, and TF Serving warm-up requests at each --batch_sizes entry;
+`t5forge/export/saved_model.py` describes it. Load it with `tf.saved_model.load(DIR)`, or
+with text in and out: `t5forge.export.saved_model.SavedModelRunner(DIR).generate([...], 32)`.
 
 --format hf writes a Hugging Face directory (the same writer as `t5forge convert --to hf`).
 """
@@ -40,9 +47,11 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--checkpoint", required=True,
                       help="checkpoint to export (t5forge, MODEL_DIR, HF directory, T5X)")
   parser.add_argument("--output", required=True, help="directory to create")
-  parser.add_argument("--format", required=True, help="jax or hf")
-  jax_flags = parser.add_argument_group("--format jax")
-  jax_flags.add_argument("--batch_sizes", help=f"default {_JAX_DEFAULTS['batch_sizes']}")
+  parser.add_argument("--format", required=True, help="jax, saved_model or hf")
+  jax_flags = parser.add_argument_group("--format jax and saved_model")
+  jax_flags.add_argument("--batch_sizes", help=f"default {_JAX_DEFAULTS['batch_sizes']} (saved_model: "
+                         "the batch is symbolic; these are the warm-up requests' batch sizes, "
+                         "the shapes TF Serving compiles as it loads the model)")
   jax_flags.add_argument("--input_lengths", help=f"input tokens incl. EOS (decoder-only: incl. "
                          f"BOS); default {_JAX_DEFAULTS['input_lengths']}")
   jax_flags.add_argument("--decode_lengths", help=f"new tokens; default "
@@ -51,18 +60,18 @@ def main(argv: list[str]) -> int:
                          f"seed); default {_JAX_DEFAULTS['methods']}")
   jax_flags.add_argument("--dtype", help="activation dtype: float32 (default: the "
                          "checkpoint's) or bfloat16")
-  jax_flags.add_argument("--platforms", help="jax.export platforms, e.g. cpu,cuda (default: "
-                         "this machine's)")
+  jax_flags.add_argument("--platforms", help="jax.export / jax2tf platforms, e.g. cpu,cuda "
+                         "(default: this machine's)")
   args = parser.parse_args(argv)
 
   if args.format == "hf":
     given = [f"--{k}" for k in (*_JAX_DEFAULTS, "dtype", "platforms") if getattr(args, k)]
     if given:
-      raise UserError(f"{', '.join(given)} apply to --format jax only, not hf")
+      raise UserError(f"{', '.join(given)} apply to --format jax and saved_model only, not hf")
     from t5forge.cli import convert  # noqa: PLC0415 (after the flags parse: --help stays fast)
     return convert.main(["--input", args.checkpoint, "--output", args.output, "--to", "hf"])
-  if args.format != "jax":
-    raise UserError(f"--format {args.format!r}: choose jax or hf")
+  if args.format not in ("jax", "saved_model"):
+    raise UserError(f"--format {args.format!r}: choose jax, saved_model or hf")
   for k, v in _JAX_DEFAULTS.items():
     if getattr(args, k) is None:
       setattr(args, k, v)
@@ -85,12 +94,28 @@ def main(argv: list[str]) -> int:
     if m not in export.METHODS:
       raise UserError(f"--methods: unknown method {m!r}; choose from {', '.join(export.METHODS)}")
   export.check_output(args.output)
+  if args.format == "saved_model":
+    from t5forge.export import saved_model  # noqa: PLC0415 (the [tf] extra, imported on use)
+    saved_model.import_tensorflow()  # before the checkpoint is read: fail fast without TF
   start = time.perf_counter()
   opened = open_checkpoint(args.checkpoint,
                            overrides={"dtype": args.dtype} if args.dtype else None)
   ckpt, vocab = opened.checkpoint, opened.vocabulary
   if vocab is None:
     print(f"note: {ckpt.path} stores no vocabulary: the artifact takes and returns token ids")
+  if args.format == "saved_model":
+    manifest = saved_model.export_saved_model(
+        opened.model, opened.params, vocab, args.output, input_lengths=input_lengths,
+        decode_lengths=decode_lengths, warmup_batch_sizes=batch_sizes, methods=methods,
+        platforms=platforms, source=opened.identity())
+    n = len(manifest["signatures"])
+    print(f"wrote a SavedModel with {n} signature{'s' if n != 1 else ''} ({', '.join(methods)}; "
+          f"input lengths {input_lengths}, decode lengths {decode_lengths}; symbolic batch; "
+          f"default {manifest['default_signature']}), {manifest['warmup']['requests']} warm-up "
+          f"requests (batch sizes {batch_sizes}) and "
+          f"{manifest['model']['num_parameters']:,} parameters to {args.output} in "
+          f"{time.perf_counter() - start:.1f}s")
+    return 0
   shapes = [export.Shape(b, i, l) for b in batch_sizes for i in input_lengths
             for l in decode_lengths]
   manifest = export.export_jax(

@@ -20,7 +20,7 @@ COMMANDS = {
     "convert": ("t5forge.cli.convert", "convert checkpoints between HF, T5X and t5forge formats"),
     "vocab": ("t5forge.cli.vocab", "train or inspect SentencePiece vocabularies"),
     "serve": ("t5forge.cli.serve", "serve a checkpoint over HTTP: OpenAI-compatible completions"),
-    "export": ("t5forge.cli.export", "export a model as jax.export functions + weights (or HF)"),
+    "export": ("t5forge.cli.export", "export a model: jax.export functions, a TF SavedModel, or HF"),
     "cache_tasks": ("t5forge.cli.cache_tasks",
                     "write SeqIO caches of tasks on Apache Beam (use_cached=True reads them)"),
 }

@@ -78,6 +78,36 @@ class Vocabulary:
     return self.processor.decode(clean)
 
 
+def encode_rows(texts, vocabulary: Vocabulary | None, eos_id: int,
+                is_encoder_decoder: bool) -> np.ndarray:
+  """Texts (or token lists) -> model-ready [b, longest] int32: encoder tokens ending in EOS,
+  0-padded (encoder-decoder), or [0 (BOS), prompt..., 0 padding] (decoder-only)."""
+  rows = []
+  for t in texts:
+    if isinstance(t, str):
+      if vocabulary is None:
+        raise ExportError("this artifact has no vocabulary; pass token ids, not text")
+      ids = vocabulary.encode(t)
+    else:
+      ids = [int(i) for i in t]
+    # T5's layouts: the encoder input ends in EOS; a prompt starts at BOS 0, no EOS.
+    rows.append(ids + [eos_id] if is_encoder_decoder else [0] + ids)
+  arr = np.zeros((len(rows), max((len(r) for r in rows), default=1)), np.int32)
+  for i, r in enumerate(rows):
+    arr[i, :len(r)] = r
+  return arr
+
+
+def text_ids(row, stop_ids, eos_id: int) -> list[int]:
+  """`row` up to its first stop id: EOS kept (the vocabulary's decode ends there), another
+  stop id such as <end_of_turn> left out of the text (t5forge.decoding.text_ids' rule)."""
+  row = [int(i) for i in np.asarray(row).reshape(-1)]
+  for k, i in enumerate(row):
+    if i in stop_ids:
+      return row[:k + 1] if i == eos_id else row[:k]
+  return row
+
+
 class ExportedModel:
   """An exported artifact: its parameters on the default device and its functions.
 
@@ -230,20 +260,7 @@ class ExportedModel:
   # -- text -----------------------------------------------------------------------------
   def encode(self, texts) -> np.ndarray:
     """Texts (or token lists) -> model-ready [b, longest] int32 (see `run`)."""
-    rows = []
-    for t in texts:
-      if isinstance(t, str):
-        if self.vocabulary is None:
-          raise ExportError("this artifact has no vocabulary; pass token ids, not text")
-        ids = self.vocabulary.encode(t)
-      else:
-        ids = [int(i) for i in t]
-      # T5's layouts: the encoder input ends in EOS; a prompt starts at BOS 0, no EOS.
-      rows.append(ids + [self.eos_id] if self.is_encoder_decoder else [0] + ids)
-    arr = np.zeros((len(rows), max((len(r) for r in rows), default=1)), np.int32)
-    for i, r in enumerate(rows):
-      arr[i, :len(r)] = r
-    return arr
+    return encode_rows(texts, self.vocabulary, self.eos_id, self.is_encoder_decoder)
 
   def generate(self, inputs, max_new_tokens: int | None = None, *, method: str = "greedy",
                temperature: float = 1.0, topp: float = 0.0, seed: int = 0):
@@ -267,17 +284,8 @@ class ExportedModel:
                          topp=topp, seed=seed)
     if not texts:
       return tokens
-    return [self.vocabulary.decode(self._text_ids(row)) for row in tokens]
-
-  def _text_ids(self, row) -> list[int]:
-    """`row` up to its first stop id: EOS kept (the vocabulary's decode ends there), another
-    stop id such as <end_of_turn> left out of the text (t5forge.decoding.text_ids' rule)."""
-    row = [int(i) for i in np.asarray(row).reshape(-1)]
-    for k, i in enumerate(row):
-      if i in self.stop_ids:
-        return row[:k + 1] if i == self.eos_id else row[:k]
-    return row
-
+    return [self.vocabulary.decode(text_ids(row, self.stop_ids, self.eos_id))
+            for row in tokens]
 
 @dataclasses.dataclass(frozen=True)
 class Kind:

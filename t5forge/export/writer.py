@@ -102,7 +102,7 @@ def unflatten_params(flat: dict) -> dict:
   return tree
 
 
-def _generate_fn(model, method: str, decode_length: int):
+def generate_fn(model, method: str, decode_length: int):
   """The function that is exported: params (flat dict) + arrays -> (tokens, scores)."""
 
   def run(flat_params, inputs, max_new_tokens, temperature, topp, seed):
@@ -126,7 +126,7 @@ def _generate_fn(model, method: str, decode_length: int):
   return run
 
 
-def _arg_specs(method: str, shape: Shape) -> list[dict]:
+def arg_specs(method: str, shape: Shape) -> list[dict]:
   b, i = shape.batch, shape.input_length
   specs = [{"name": "inputs", "shape": [b, i], "dtype": "int32"},
            {"name": "max_new_tokens", "shape": [b], "dtype": "int32"}]
@@ -164,7 +164,7 @@ def loader_requirements() -> list[str]:
   return lines
 
 
-def _write_vocabulary(vocab, out_dir: str) -> dict | None:
+def write_vocabulary(vocab, out_dir: str) -> dict | None:
   """Writes the SentencePiece model as the vocabulary loads it (sentinels appended)."""
   if vocab is None:
     return None
@@ -236,7 +236,7 @@ def export_jax(model, params: dict, vocab, out_dir: str, *, shapes: list[Shape],
     flat = flatten_params(jax.device_get(params))
     from safetensors.numpy import save_file  # noqa: PLC0415 (slow or optional import, on first use)
     save_file(flat, os.path.join(tmp, PARAMS_FILE), metadata={"format": FORMAT})
-    vocab_entry = _write_vocabulary(vocab, tmp)
+    vocab_entry = write_vocabulary(vocab, tmp)
     with open(loader.__file__, "rb") as f:
       files.write_bytes(os.path.join(tmp, LOADER_FILE), f.read())
     files.write_text(os.path.join(tmp, REQUIREMENTS_FILE),
@@ -246,9 +246,9 @@ def export_jax(model, params: dict, vocab, out_dir: str, *, shapes: list[Shape],
     for method in methods:
       for shape in shapes:
         start = time.perf_counter()
-        specs = _arg_specs(method, shape)
+        specs = arg_specs(method, shape)
         avals = [jax.ShapeDtypeStruct(tuple(a["shape"]), np.dtype(a["dtype"])) for a in specs]
-        fn = jax.jit(_generate_fn(model, method, shape.decode_length))
+        fn = jax.jit(generate_fn(model, method, shape.decode_length))
         exported = jax.export.export(fn, platforms=platforms)(param_avals, *avals)
         name = (f"functions/{method}_b{shape.batch}_i{shape.input_length}"
                 f"_l{shape.decode_length}.jaxexp")

@@ -206,7 +206,8 @@ def dense(x: jax.Array, kernel: jax.Array | quant.QArray | Lora, out_dtype=None)
   else:
     x2 = x.reshape(-1, x.shape[-1])
     n = x2.shape[0]
-    if x2.dtype == jnp.bfloat16 and n < BF16_MIN_ROWS:
+    # A symbolic n (a batch-polymorphic export) skips the padding: it is only speed.
+    if x2.dtype == jnp.bfloat16 and isinstance(n, int) and n < BF16_MIN_ROWS:
       # A bf16 matrix-vector product (greedy batch 1) takes XLA:CPU's slow path; an
       # 8-row product runs on the fast kernels.
       x2 = jnp.pad(x2, ((0, BF16_MIN_ROWS - n), (0, 0)))
@@ -219,9 +220,10 @@ def dense_multi(x: jax.Array, kernels: Sequence[jax.Array]) -> list[jax.Array]:
   rows = 1
   for n in x.shape[:-1]:
     rows *= n
-  if len(kernels) == 1 or rows < FUSE_MIN_ROWS:
+  if len(kernels) == 1 or not isinstance(rows, int) or rows < FUSE_MIN_ROWS:
     # With few rows (a decoding step) the product is bound by reading the weights, and
-    # concatenating them would copy every kernel once more per call.
+    # concatenating them would copy every kernel once more per call. A symbolic row count
+    # (a batch-polymorphic SavedModel) cannot be compared: it takes this, the exact path.
     return [dense(x, k) for k in kernels]
   sizes = [k.shape[-1] for k in kernels]
   base = [k.kernel if isinstance(k, Lora) else k for k in kernels]
