@@ -203,6 +203,10 @@ def test_openai_chat_equals_greedy_decode_of_the_ids(served):
     assert c.finish_reason == ("stop" if stopped else "length")
     assert got.usage.prompt_tokens == len(ids)
     assert "<end_of_turn>" not in c.message.content
+    # top_k (vLLM's extension) is applied: top_k=1 sampling is greedy.
+    k1 = client.chat.completions.create(model=name, messages=msgs, max_tokens=MAX_TOKENS,
+                                        temperature=1.0, seed=5, extra_body={"top_k": 1})
+    assert k1.choices[0].message.content == want
     pieces, reasons, roles, usage = [], [], [], None
     for chunk in client.chat.completions.create(
         model=name, messages=msgs, max_tokens=MAX_TOKENS, temperature=0, stream=True,
@@ -244,6 +248,7 @@ BAD = [  # (body, status, param)
     ({"messages": [{"role": "user", "content": "hi"}], "stream_options":
       {"include_usage": True}}, 400, "stream_options"),
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_k": 5000}, 400, "top_k"),
     ({"messages": [{"role": "user", "content": "hi"}], "model": "other"}, 404, "model"),
 ]
 

@@ -41,6 +41,7 @@ class ChatRequest(pydantic.BaseModel):
   max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
   temperature: float = 1.0
   top_p: float = 1.0
+  top_k: int = 0  # vLLM's extension, as for completions (0 or -1: off)
   n: int = 1
   seed: int | None = None
   stream: bool = False
@@ -54,6 +55,11 @@ class ChatRequest(pydantic.BaseModel):
   def _int_is_float(cls, v):
     # strict mode refuses 1 for a float field; JSON clients send 1 for 1.0.
     return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+
+  @pydantic.field_validator("top_k", mode="after")
+  @classmethod
+  def _minus_one_is_off(cls, v):
+    return 0 if v == -1 else v  # vLLM's "off"
 
 
 def _bad(message: str, param: str) -> api.ApiError:
@@ -155,7 +161,7 @@ def _as_completion(req: ChatRequest, s: Service) -> api.CompletionRequest:
   # The messages are encoded already; `prompt` stands for them in the shared checks.
   out = api.CompletionRequest.model_construct(
       model=req.model, prompt="(messages)", max_tokens=max_tokens, temperature=req.temperature,
-      top_p=req.top_p, n=req.n, seed=req.seed, stream=req.stream, stop=req.stop,
+      top_p=req.top_p, top_k=req.top_k, n=req.n, seed=req.seed, stream=req.stream, stop=req.stop,
       user=req.user, priority=req.priority)
   try:
     api.check_completion(out, s.limits)
