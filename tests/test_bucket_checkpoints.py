@@ -6,6 +6,8 @@ checkpoints (a MODEL_DIR, an HF directory) to the same logits as their local cop
 import collections
 import os
 import socket
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -246,6 +248,22 @@ def test_initial_checkpoint_path_in_a_bucket(bucket_env, tiny_model_dir):
       model_config=config)
   assert step == 3 and not scratch and not notes
   assert _equal(params, init_params(config, jax.random.key(7)))
+
+
+@pytest.mark.slow  # a subprocess: this worker may have imported TensorFlow already
+def test_a_bucket_checkpoint_is_read_without_tensorflow(bucket_env, tiny_model_dir):
+  """etils' epath (Orbax's paths) sends gs:// and s3:// through TensorFlow's file system
+  whenever TensorFlow is installed (the [tf] extra): that client ignores the emulator,
+  our time-outs and retries. t5forge keeps Orbax on fsspec, and TensorFlow unloaded."""
+  _, bucket = bucket_env
+  url = bucket + "/init/run"
+  storage.copy_tree(tiny_model_dir, url)
+  code = ("import sys, t5forge; m = t5forge.load(sys.argv[1]); "
+          "print(m.config.emb_dim, 'tensorflow' in sys.modules)")
+  out = subprocess.run([sys.executable, "-c", code, url], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.split()[-1] == "False", out.stdout
 
 
 def test_load_an_hf_directory_in_a_bucket_equals_the_local_copy(bucket_env, hf_dirs):

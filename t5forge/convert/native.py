@@ -128,14 +128,23 @@ def latest_checkpoint(model_dir: str) -> str | None:
   return None
 
 
-def _checkpointer():
+def _orbax():
+  """orbax.checkpoint, with TensorStore (its array I/O) pointed at the storage emulator
+  when one is set: a gs:// checkpoint read outside a training run's Checkpointer (an
+  INITIAL_CHECKPOINT_PATH, `t5forge.load`) goes where gcsfs goes."""
   import orbax.checkpoint as ocp  # noqa: PLC0415 (slow import, on first use)
+  storage.configure_tensorstore()
+  return ocp
+
+
+def _checkpointer():
+  ocp = _orbax()
   return ocp, ocp.Checkpointer(ocp.CompositeCheckpointHandler())
 
 
 def save(path: str, config: ModelConfig, params: dict, *, extra_config: dict | None = None) -> None:
   """Writes a params-only checkpoint with its manifest (what `convert --to t5forge` produces)."""
-  import orbax.checkpoint as ocp  # noqa: PLC0415 (slow import, on first use)
+  ocp = _orbax()
   path = os.path.abspath(path)
   if os.path.exists(path) and os.listdir(path):
     raise UserError(f"{path}: exists and is not empty; choose a new output directory")
@@ -167,7 +176,7 @@ def _shape_difference(path: str, abstract_params) -> str | None:
   """The first parameter whose stored name or shape differs from `abstract_params`'s
   ('encoder/.../kernel: stored (64, 32), config (64, 16)'), None when all agree (or the
   stored shapes cannot be read: then the restore's own error says what went wrong)."""
-  import orbax.checkpoint as ocp  # noqa: PLC0415 (slow import, on first use)
+  ocp = _orbax()
   from etils import epath  # noqa: PLC0415 (Orbax's path type: local or gs://)
   try:
     stored = ocp.StandardCheckpointHandler().metadata(
@@ -230,7 +239,7 @@ def restore_params(path: str, abstract_params) -> dict:
     manifest.CheckpointDamaged: Orbax cannot read them.
     manifest.CheckpointUnavailable: reading failed in a way that may pass (network, memory).
   """
-  import orbax.checkpoint as ocp  # noqa: PLC0415 (slow import, on first use)
+  ocp = _orbax()
   # Compared before restoring: Orbax restores a stored array into a target of another
   # shape without a word.
   difference = _shape_difference(absolute(path), abstract_params)

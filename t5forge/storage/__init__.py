@@ -34,6 +34,15 @@ classes), `objects` (reads, writes, conditional writes and deletes, listings, co
 """
 from __future__ import annotations
 
+import os
+
+# Orbax names bucket paths with etils' epath, which sends gs:// and s3:// through
+# TensorFlow's file system whenever TensorFlow is installed (the [tf] extra): that client
+# ignores STORAGE_EMULATOR_HOST, our time-outs and retries, and importing it costs
+# seconds and a gigabyte. Bucket paths take fsspec (the clients here) either way; a
+# user's own EPATH_USE_TF wins.
+os.environ.setdefault("EPATH_USE_TF", "false")
+
 from t5forge.storage.clients import (PreconditionFailed, StorageError, StorageUnavailable,
                                      is_transient, call, check_bucket,
                                      configure_tensorstore, emulator, filesystem, fs_path,
