@@ -84,6 +84,9 @@ def main(argv: list[str]) -> int:
     n = len(jax.tree.leaves(ckpt.extras["param_states"]))
     print(f"note: not converted: T5X optimizer state ({n} arrays) and step {ckpt.step}; "
           "the parameters are complete")
+  if ckpt.format == "mtf":
+    print(f"note: not converted: Mesh TF Adafactor slots ({ckpt.extras['slots']} arrays) "
+          f"and global_step {ckpt.step}; the parameters are complete")
   vocab = of_checkpoint(ckpt)
   if args.to == "hf":
     if ckpt.config.scan_layers:
