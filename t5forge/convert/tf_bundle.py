@@ -345,14 +345,15 @@ class Bundle:
     return np.frombuffer(raw, dtype=dtype.newbyteorder("<")).reshape(e.shape)
 
   def _strings(self, name: str, e: Entry, raw: bytes, path: str) -> np.ndarray:
-    # The checksum covers each length as a little-endian uint64 (not its varint), then the
-    # stored masked checksum of the lengths, then the string bytes.
+    # The checksum covers each length as little-endian uint32 (uint64 past 4 GiB: how
+    # TensorFlow kept old checkpoints' sums valid), not its varint; then the stored masked
+    # checksum of the lengths; then the string bytes.
     view, count = memoryview(raw), int(np.prod(e.shape, dtype=np.int64))
     lengths, pos, crc = [], 0, 0
     for _ in range(count):
       n, pos = _varint(view, pos, f"{path}: tensor {name!r}")
       lengths.append(n)
-      crc = google_crc32c.extend(crc, struct.pack("<Q", n))
+      crc = google_crc32c.extend(crc, struct.pack("<I" if n <= 0xFFFFFFFF else "<Q", n))
     crc = google_crc32c.extend(crc, raw[pos:pos + 4])
     pos += 4
     out = []

@@ -1,0 +1,250 @@
+"""Mesh TensorFlow T5 checkpoints (TensorFlow V2 bundles) read without TensorFlow, checked
+against TensorFlow itself: the fixture its Saver wrote (`testdata/mtf`: logits in float64,
+the same weights as an HF directory), and bundles written here by `tf.compat.v1.train.Saver`
+and `tf.train.Checkpoint` (TensorFlow is imported in this test module only, once)."""
+import gzip
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import t5forge
+from conftest import SHARED
+from hf_reference import build_hf_dir, hf_forward, load_hf_model, random_batch
+from t5forge.convert import load_checkpoint, mtf, tf_bundle
+from t5forge.errors import UserError
+from train_helpers import cli
+
+FIXTURE = os.path.join(SHARED, "testdata", "mtf", "t5_1_1_tiny")
+PREFIX = os.path.join(FIXTURE, "model.ckpt-1000000")
+
+
+@pytest.fixture(scope="module")
+def tf():
+  import tensorflow as tf  # slow: once for the module
+  return tf
+
+
+@pytest.fixture(scope="module")
+def expected():
+  with gzip.open(os.path.join(FIXTURE, "expected.json.gz")) as f:
+    return json.load(f)
+
+
+# ------------------------------------------------------------------ the fixture TF 2.21 wrote
+
+
+@pytest.mark.parametrize("given", [PREFIX, PREFIX + ".index", FIXTURE],
+                         ids=["prefix", "index", "directory"])
+def test_fixture_gives_tensorflows_logits(given, expected):
+  model = t5forge.load(given)
+  assert model.checkpoint.format == "mtf" and model.checkpoint.step == 1000000
+  assert model.checkpoint.extras["slots"] == 90  # Adafactor slots counted, not parameters
+  logits = model.logits(np.array(expected["encoder_input_tokens"]),
+                        np.array(expected["decoder_input_tokens"]))
+  ref = np.array(expected["logits_float64"])
+  # Reached: 2.7e-6 max abs error (|logits| up to 12.9), float32 on CPU.
+  assert np.abs(logits - ref).max() < 2e-5
+
+
+def test_convert_to_hf_is_bit_for_bit(tmp_path):
+  r = cli("convert", "--input", PREFIX, "--output", str(tmp_path / "hf"), "--to", "hf")
+  assert r.returncode == 0, r.stderr
+  assert "Adafactor slots (90 arrays) and global_step 1000000" in r.stdout
+  ours = load_file(str(tmp_path / "hf" / "model.safetensors"))
+  ref = load_file(os.path.join(FIXTURE, "hf", "model.safetensors"))
+  for name, want in ref.items():
+    assert ours[name].dtype == want.dtype and ours[name].tobytes() == want.tobytes(), name
+  # transformers 5 wrote the reference tied (lm_head is shared.weight, unscaled); we write
+  # the checkpoint's separate decoder/logits/kernel, which holds the same values.
+  assert set(ours) - set(ref) == {"lm_head.weight"}
+  assert ours["lm_head.weight"].tobytes() == ref["shared.weight"].tobytes()
+
+
+def _damaged(tmp_path, how):
+  d = tmp_path / how
+  shutil.copytree(FIXTURE, d, ignore=shutil.ignore_patterns("hf", "*.gz"))
+  for f in d.iterdir():
+    f.chmod(0o644)
+  data = d / "model.ckpt-1000000.data-00001-of-00002"
+  if how == "flipped_byte":
+    raw = bytearray(data.read_bytes())
+    raw[1000] ^= 0x01
+    data.write_bytes(bytes(raw))
+  elif how == "missing_shard":
+    data.unlink()
+  elif how == "truncated_shard":
+    data.write_bytes(data.read_bytes()[:50000])
+  else:  # a byte of the index's first data block
+    index = d / "model.ckpt-1000000.index"
+    raw = bytearray(index.read_bytes())
+    raw[40] ^= 0x10
+    index.write_bytes(bytes(raw))
+  return str(d)
+
+
+@pytest.mark.parametrize("how,names", [
+    ("flipped_byte", ["data-00001-of-00002", "crc32c", "tensor '"]),
+    ("missing_shard", ["data-00001-of-00002: missing", "2 data shards"]),
+    ("truncated_shard", ["data-00001-of-00002: truncated", "tensor '"]),
+    ("bad_index", ["model.ckpt-1000000.index", "checksum"]),
+])
+def test_damaged_bundles_give_one_line(tmp_path, how, names):
+  with pytest.raises(UserError) as e:
+    load_checkpoint(_damaged(tmp_path, how))
+  msg = str(e.value)
+  assert "\n" not in msg and all(n in msg for n in names), msg
+
+
+def test_damaged_footer_and_wrong_gin_give_one_line(tmp_path):
+  d = tmp_path / "short"
+  shutil.copytree(FIXTURE, d, ignore=shutil.ignore_patterns("hf", "*.gz"))
+  (d / "model.ckpt-1000000.index").chmod(0o644)
+  index = d / "model.ckpt-1000000.index"
+  index.write_bytes(index.read_bytes()[:-3])
+  with pytest.raises(UserError, match=r"\.index: not a TensorFlow checkpoint index"):
+    load_checkpoint(str(d))
+  d = tmp_path / "gin"
+  shutil.copytree(FIXTURE, d, ignore=shutil.ignore_patterns("hf", "*.gz"))
+  (d / "operative_config.gin").chmod(0o644)
+  gin = (d / "operative_config.gin").read_text().replace("d_ff = 64", "d_ff = 128")
+  (d / "operative_config.gin").write_text(gin)
+  with pytest.raises(UserError, match=r"operative_config.gin: .*hidden_size = 128.* mlp_dim 64"):
+    load_checkpoint(str(d / "model.ckpt-1000000"))
+
+
+def test_gin_is_parsed_not_executed(tmp_path):
+  gin = tmp_path / "operative_config.gin"
+  gin.write_text("import os\nd_model = 8\nx/Unitransformer.d_model = %d_model\n"
+                 "run.layout = \\\n    [@a.b,\n     @c.d]\nf = __import__('os').system('false')\n")
+  got = mtf.gin_bindings(str(gin))
+  assert got["x/Unitransformer.d_model"] == 8 and got["run.layout"] == "[@a.b, @c.d]"
+  assert got["f"] == "__import__('os').system('false')"  # text, never evaluated
+
+
+# ------------------------------------------------------- bundles TensorFlow writes here
+
+
+def test_reader_matches_tf_checkpoint_dtypes(tf, tmp_path):
+  """tf.train.Checkpoint: float32, bfloat16, int64 and string variables (and the object
+  graph, itself a string tensor), read back value for value and checksum checked."""
+  rng = np.random.default_rng(0)
+  values = {"f32": rng.standard_normal((3, 5)).astype(np.float32),
+            "bf16": rng.standard_normal((4, 2)).astype(tf.bfloat16.as_numpy_dtype),
+            "i64": rng.integers(-2**40, 2**40, size=(7,)),
+            "s": np.array([b"", b"mesh", b"tensorflow \xff"], dtype=object)}
+  ckpt = tf.train.Checkpoint(**{k: tf.Variable(v) for k, v in values.items()})
+  prefix = ckpt.write(str(tmp_path / "ckpt"))
+  bundle = tf_bundle.Bundle(prefix)
+  reader = tf.train.load_checkpoint(prefix)
+  assert set(bundle.names()) == set(reader.get_variable_to_shape_map())
+  for name in bundle.names():
+    np.testing.assert_array_equal(bundle.read(name), reader.get_tensor(name))
+  assert bundle.entry("bf16/.ATTRIBUTES/VARIABLE_VALUE").dtype == "bfloat16"
+  assert bundle.entry("s/.ATTRIBUTES/VARIABLE_VALUE").dtype == "string"
+
+
+def _hf_to_mtf(state: dict, n_enc: int, n_dec: int, *, tied: bool) -> dict:
+  """An HF T5 state dict under Mesh TF's names and layouts (kernels [in, out])."""
+  out = {"shared/embedding": state["shared.weight"]}
+  for stack, n, kinds in (("encoder", n_enc, ["SelfAttention", "DenseReluDense"]),
+                          ("decoder", n_dec, ["SelfAttention", "EncDecAttention",
+                                              "DenseReluDense"])):
+    for i in range(n):
+      for j, kind in enumerate(kinds):
+        h, m = f"{stack}.block.{i}.layer.{j}", f"{stack}/block_{i:03d}/layer_{j:03d}"
+        out[f"{m}/rms_norm/scale"] = state[f"{h}.layer_norm.weight"]
+        for name, w in state.items():
+          if name.startswith(f"{h}.{kind}.") and name.endswith(".weight"):
+            part = name[len(f"{h}.{kind}."):-len(".weight")]
+            if part == "relative_attention_bias":
+              out[f"{m}/SelfAttention/relative_attention_bias"] = w.T  # [heads, buckets]
+            elif kind == "DenseReluDense":
+              out[f"{m}/DenseReluDense/{part}/kernel"] = w.T
+            else:
+              out[f"{m}/{kind}/{part}"] = w.T
+    out[f"{stack}/rms_norm/scale"] = state[f"{stack}.final_layer_norm.weight"]
+  if not tied:
+    out["decoder/logits/kernel"] = state["lm_head.weight"].T
+  return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def _slots(weights: dict, factored: bool) -> dict:
+  """Adafactor slots as Mesh TF names them: vr/vc for matrices when factored, else v."""
+  out = {}
+  for name, w in weights.items():
+    if factored and w.ndim == 2:
+      out[name + "_slot_vr"] = np.abs(w).mean(axis=1)
+      out[name + "_slot_vc"] = np.abs(w).mean(axis=0)
+    else:
+      out[name + "_slot_v"] = np.square(w)
+  return out
+
+
+def _saver_write(tf, tensors: dict, prefix: str, shards: int, step: int) -> str:
+  """What Mesh TF's run does: tf.compat.v1.train.Saver(sharded=True) over variables spread
+  across `shards` CPU devices, and a global_step."""
+  graph = tf.Graph()
+  with graph.as_default():
+    variables = []
+    for i, (name, value) in enumerate(sorted(tensors.items())):
+      with tf.device(f"/cpu:{i % shards}"):
+        variables.append(tf.compat.v1.Variable(value, name=name))
+    with tf.device("/cpu:0"):
+      variables.append(tf.compat.v1.Variable(np.int64(step), name="global_step"))
+    saver = tf.compat.v1.train.Saver(variables, sharded=True)
+    config = tf.compat.v1.ConfigProto(device_count={"CPU": shards})
+    with tf.compat.v1.Session(graph=graph, config=config) as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      return saver.save(sess, prefix, global_step=step)
+
+
+@pytest.fixture(scope="module")
+def written(tf, tmp_path_factory):
+  """name -> (Mesh TF prefix, HF directory of the same weights, number of slot tensors)."""
+  out = {}
+  for name, variant, tied, factored, shards in (
+      ("t5_1_0", "t5_1_0", True, None, 3),
+      ("factored", "flan_5x", False, True, 2),
+      ("unfactored", "flan_5x", False, False, 1)):
+    root = tmp_path_factory.mktemp(name)
+    hf_dir = build_hf_dir(variant, str(root / "hf"), seed=3)
+    with open(os.path.join(hf_dir, "config.json")) as f:
+      cfg = json.load(f)
+    weights = _hf_to_mtf(load_file(os.path.join(hf_dir, "model.safetensors")),
+                         cfg["num_layers"], cfg["num_decoder_layers"], tied=tied)
+    slots = _slots(weights, factored) if factored is not None else {}
+    weights.update(slots)
+    os.makedirs(root / "mtf")
+    prefix = _saver_write(tf, weights, str(root / "mtf" / "model.ckpt"), shards, step=250)
+    out[name] = (prefix, hf_dir, len(slots))
+  return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,shards", [("t5_1_0", 3), ("factored", 2), ("unfactored", 1)])
+def test_saver_bundles_match_transformers(written, name, shards):
+  prefix, hf_dir, slots = written[name]
+  assert prefix.endswith("model.ckpt-250")
+  assert tf_bundle.Bundle(prefix).num_shards == shards
+  ours = t5forge.load(os.path.dirname(prefix))  # the directory: its `checkpoint` state file
+  assert ours.checkpoint.step == 250 and ours.checkpoint.extras["slots"] == slots
+  assert ours.config.logits_via_embedding == (name == "t5_1_0")
+  enc, dec = random_batch(ours.config.vocab_size, enc_len=40, dec_len=30)
+  _, hf_logits = hf_forward(load_hf_model(hf_dir), enc, dec)
+  np.testing.assert_allclose(ours.logits(enc, dec), hf_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_importing_t5forge_and_its_cli_never_imports_tensorflow():
+  import subprocess
+  import sys
+  code = ("import sys, t5forge, t5forge.cli, t5forge.convert.mtf, t5forge.convert.tf_bundle; "
+          "t5forge.convert.mtf.load_mtf(sys.argv[1]); "
+          "bad = [m for m in sys.modules if m == 'tensorflow' or m.startswith('tensorflow.')]; "
+          "print(bad); sys.exit(1 if bad else 0)")
+  r = subprocess.run([sys.executable, "-c", code, PREFIX], capture_output=True, text=True,
+                     timeout=300, cwd=os.path.dirname(os.path.dirname(t5forge.__file__)))
+  assert r.returncode == 0, r.stdout + r.stderr[-2000:]
