@@ -248,3 +248,85 @@ def test_importing_t5forge_and_its_cli_never_imports_tensorflow():
   r = subprocess.run([sys.executable, "-c", code, PREFIX], capture_output=True, text=True,
                      timeout=300, cwd=os.path.dirname(os.path.dirname(t5forge.__file__)))
   assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+
+
+# ------------------------------------------------------------ fine-tuning from the fixture
+
+TASKS_PY = '''
+import functools
+from t5forge import data as seqio
+from t5forge.data import bundled_tasks, preprocessors as pre
+
+# ByT5's byte vocabulary (259 ids) fits the fixture's 512.
+features = {"inputs": seqio.Feature(seqio.ByteVocabulary()),
+            "targets": seqio.Feature(seqio.ByteVocabulary())}
+seqio.TaskRegistry.add(
+    "bible_bytes",
+    seqio.TsvDataSource({"train": bundled_tasks.BIBLE_TRAIN,
+                         "validation": bundled_tasks.BIBLE_VALIDATION}, field_names=("en", "es")),
+    preprocessors=[functools.partial(pre.translate, source_language="en", target_language="es"),
+                   pre.tokenize, seqio.CacheDatasetPlaceholder(), pre.append_eos_after_trim],
+    output_features=features, metric_fns=[])
+'''
+
+FINETUNE_GIN = """
+include 'runs/finetune.gin'
+include 'models/t5_1_1/tiny.gin'
+MIXTURE_OR_TASK_NAME = 'bible_bytes'
+MIXTURE_OR_TASK_MODULE = 'mtf_tasks'
+TASK_FEATURE_LENGTHS = {'inputs': 64, 'targets': 64}
+TRAIN_STEPS = 1000020  # T5X's convention: the checkpoint's step + 20 fine-tuning steps
+BATCH_SIZE = 8
+DROPOUT_RATE = 0.0
+EVAL_PERIOD = 1000
+network.ModelConfig:
+  vocab_size = 512
+  emb_dim = 32
+  num_heads = 2
+  head_dim = 16
+  mlp_dim = 64
+  dtype = 'float32'
+utils.create_learning_rate_scheduler.base_learning_rate = 0.01
+utils.SaveCheckpointConfig.period = 20
+train_script.train.stats_period = 5
+"""
+
+
+@pytest.mark.slow
+def test_finetunes_from_the_fixture_as_initial_checkpoint(tmp_path):
+  from train_helpers import ROOT, read_jsonl, train_in_process
+  (tmp_path / "mtf_tasks.py").write_text(TASKS_PY)
+  gin = tmp_path / "finetune.gin"
+  gin.write_text(FINETUNE_GIN)
+  model_dir = tmp_path / "model"
+  r = train_in_process(str(gin), model_dir, f'INITIAL_CHECKPOINT_PATH="{PREFIX}"',
+                       env={"PYTHONPATH": os.pathsep.join([str(tmp_path), ROOT]),
+                            "T5FORGE_CACHE": str(tmp_path / "cache")})
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "initialised from" in r.stdout + r.stderr and "step 1000000" in r.stdout + r.stderr
+  rows = [x for x in read_jsonl(model_dir / "metrics.jsonl") if x["split"] == "train"]
+  assert rows[-1]["step"] == 1000020
+  losses = [x["loss_per_nonpadding_target_token"] for x in rows]
+  assert losses[-1] < losses[0] - 0.3, losses
+
+
+# ---------------------------------------------------------------------------- in a bucket
+
+
+def test_a_bucket_checkpoint_reads_as_the_local_one(bucket_env, cache):
+  from t5forge import storage
+  _, bucket = bucket_env
+  url = bucket + "/pretrained_models/t5_1_1_tiny"
+  for name in os.listdir(FIXTURE):
+    if os.path.isfile(os.path.join(FIXTURE, name)):
+      storage.upload(os.path.join(FIXTURE, name), f"{url}/{name}")
+  storage.write_bytes(f"{url}/model.ckpt-5.data-00000-of-00001", b"an older step's shard")
+  local = load_checkpoint(PREFIX)
+  for given in (url + "/model.ckpt-1000000", url + "/model.ckpt-1000000.index", url):
+    remote = load_checkpoint(given)
+    assert remote.format == "mtf" and remote.step == 1000000
+    for a, b in zip(*(__import__("jax").tree.leaves(c.params) for c in (remote, local))):
+      np.testing.assert_array_equal(a, b)
+  # Only this checkpoint's files (and its gin) were copied, not the older step's shard.
+  copied = os.listdir(os.path.dirname(remote.extras["prefix"]))
+  assert "operative_config.gin" in copied and "model.ckpt-5.data-00000-of-00001" not in copied
