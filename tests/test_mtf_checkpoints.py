@@ -330,3 +330,64 @@ def test_a_bucket_checkpoint_reads_as_the_local_one(bucket_env, cache):
   # Only this checkpoint's files (and its gin) were copied, not the older step's shard.
   copied = os.listdir(os.path.dirname(remote.extras["prefix"]))
   assert "operative_config.gin" in copied and "model.ckpt-5.data-00000-of-00001" not in copied
+
+
+# ------------------------------------------------------------------- infer from the CLI
+
+
+@pytest.fixture(scope="module")
+def small_spm(tmp_path_factory):
+  """A 400-piece SentencePiece model of bundled English text (+100 sentinels = 500 ids,
+  within the fixture's 512)."""
+  import itertools
+
+  import sentencepiece as spm
+
+  from t5forge.data import bundled_tasks
+  with gzip.open(bundled_tasks.BIBLE_TRAIN, "rt") as f:
+    lines = [line.split("\t")[0] for line in itertools.islice(f, 3000)]
+  prefix = str(tmp_path_factory.mktemp("spm") / "en400")
+  spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=prefix,
+                                 vocab_size=400, pad_id=0, eos_id=1, unk_id=2, bos_id=-1)
+  return prefix + ".model"
+
+
+@pytest.mark.slow
+def test_infer_cli_decodes_as_transformers_generate(small_spm, tmp_path):
+  import torch
+
+  from t5forge.data.vocab import SentencePieceVocabulary
+  texts = ["In the beginning God created the heavens", "and the earth"]
+  (tmp_path / "in.txt").write_text("\n".join(texts) + "\n")
+  r = cli("infer", "--checkpoint", PREFIX, "--input", str(tmp_path / "in.txt"),
+          "--output_dir", str(tmp_path / "out"), "--vocabulary", small_spm,
+          "--max_decode_length", "8")
+  assert r.returncode == 0, r.stderr[-2000:]
+  rows = [json.loads(line) for line in (tmp_path / "out" / "in-1000000.jsonl").read_text().splitlines()]
+  vocab = SentencePieceVocabulary(small_spm, extra_ids=100)
+  hf_model = load_hf_model(os.path.join(FIXTURE, "hf"))
+  for text, row in zip(texts, rows):
+    ids = torch.tensor([list(vocab.encode(text)) + [1]])
+    want = hf_model.generate(ids, max_new_tokens=8, do_sample=False, num_beams=1)[0, 1:].tolist()
+    assert row["prediction_tokens"] == want and len(want) == 8, (row, want)
+
+
+@pytest.mark.slow
+def test_serve_answers_as_transformers_generate(small_spm):
+  from serve_inprocess import InProcess
+  from t5forge import testing
+  from t5forge.data.vocab import SentencePieceVocabulary
+  srv = InProcess("--checkpoint", PREFIX, "--vocabulary", small_spm, *testing.FAST_FLAGS)
+  srv.start()
+  try:
+    status, _, body = srv.ask("/v1/completions", {"prompt": "and the earth", "max_tokens": 8,
+                                                  "temperature": 0})
+  finally:
+    srv.close()
+  assert status == 200, body
+  import torch
+  vocab = SentencePieceVocabulary(small_spm, extra_ids=100)
+  ids = torch.tensor([list(vocab.encode("and the earth")) + [1]])
+  want = load_hf_model(os.path.join(FIXTURE, "hf")).generate(
+      ids, max_new_tokens=8, do_sample=False, num_beams=1)[0, 1:].tolist()
+  assert body["choices"][0]["text"] == vocab.decode(want), (body, want)
