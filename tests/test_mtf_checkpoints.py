@@ -391,3 +391,53 @@ def test_serve_answers_as_transformers_generate(small_spm):
   want = load_hf_model(os.path.join(FIXTURE, "hf")).generate(
       ids, max_new_tokens=8, do_sample=False, num_beams=1)[0, 1:].tolist()
   assert body["choices"][0]["text"] == vocab.decode(want), (body, want)
+
+
+def _varint(n: int) -> bytes:
+  out = bytearray()
+  while True:
+    out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+    n >>= 7
+    if not n:
+      return bytes(out)
+
+
+def _table(rows: list, blocks: int) -> bytes:
+  """A LevelDB table of `rows` in `blocks` data blocks, the first Snappy-compressed (as
+  TensorFlow's TableBuilder does with Options.compression = kSnappyCompression), keys
+  written whole (no shared prefixes, one restart point per block)."""
+  import pyarrow
+
+  def block(entries, snappy):
+    raw = b"".join(_varint(0) + _varint(len(k)) + _varint(len(v)) + k + v for k, v in entries)
+    raw += (0).to_bytes(4, "little") + (1).to_bytes(4, "little")
+    body = pyarrow.compress(raw, codec="snappy", asbytes=True) if snappy else raw
+    kind = bytes([1 if snappy else 0])
+    crc = tf_bundle.masked_crc(kind, __import__("google_crc32c").value(body))
+    return body + kind + crc.to_bytes(4, "little")
+
+  out, index = b"", []
+  for i in range(blocks):
+    part = rows[i * len(rows) // blocks:(i + 1) * len(rows) // blocks]
+    data = block(part, snappy=i == 0)
+    index.append((part[-1][0], _varint(len(out)) + _varint(len(data) - 5)))
+    out += data
+  meta = block([], snappy=False)
+  meta_handle = _varint(len(out)) + _varint(len(meta) - 5)
+  out += meta
+  index_block = block(index, snappy=False)
+  footer = meta_handle + _varint(len(out)) + _varint(len(index_block) - 5)
+  out += index_block
+  return out + footer.ljust(40, b"\0") + (0xDB4775248B80FB57).to_bytes(8, "little")
+
+
+def test_snappy_blocks_and_many_blocks_read(tmp_path, expected):
+  d = tmp_path / "snappy"
+  shutil.copytree(FIXTURE, d, ignore=shutil.ignore_patterns("hf", "*.gz"))
+  index = d / "model.ckpt-1000000.index"
+  index.chmod(0o644)
+  index.write_bytes(_table(tf_bundle.read_table(str(index)), blocks=3))
+  model = t5forge.load(str(d))
+  logits = model.logits(np.array(expected["encoder_input_tokens"]),
+                        np.array(expected["decoder_input_tokens"]))
+  assert np.abs(logits - np.array(expected["logits_float64"])).max() < 2e-5
