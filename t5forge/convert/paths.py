@@ -101,7 +101,8 @@ def resolve(path: str, *, step: int | None = None) -> Resolved:
       if step is not None and mtf.step_of(full) != step:
         raise UserError(f"{shown}: step {step} asked for, but this Mesh TF checkpoint is "
                         f"step {mtf.step_of(full)}; pass the prefix of step {step}")
-      return Resolved(full, path, mtf.step_of(full), None)
+      # Its directory plays a MODEL_DIR's part (eval writes inference_eval/ there).
+      return Resolved(full, path, mtf.step_of(full), storage.dirname(full))
     raise UserError(f"{shown}: no such file or directory; {_KINDS}")
   if not is_model_dir(full):
     if step is not None and native.step_of(full) != step:
