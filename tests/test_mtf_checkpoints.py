@@ -119,10 +119,12 @@ def test_damaged_footer_and_wrong_gin_give_one_line(tmp_path):
 def test_gin_is_parsed_not_executed(tmp_path):
   gin = tmp_path / "operative_config.gin"
   gin.write_text("import os\nd_model = 8\nx/Unitransformer.d_model = %d_model\n"
-                 "run.layout = \\\n    [@a.b,\n     @c.d]\nf = __import__('os').system('false')\n")
+                 "run.layout = \\\n    [@a.b,\n     @c.d]\nf = __import__('os').system('false')\n"
+                 "act = ['gelu', 'linear']  # gated, '#' in a comment\nname = 'a#b'\n")
   got = mtf.gin_bindings(str(gin))
   assert got["x/Unitransformer.d_model"] == 8 and got["run.layout"] == "[@a.b, @c.d]"
   assert got["f"] == "__import__('os').system('false')"  # text, never evaluated
+  assert got["act"] == ["gelu", "linear"] and got["name"] == "a#b"
 
 
 # ------------------------------------------------------- bundles TensorFlow writes here
@@ -288,6 +290,7 @@ network.ModelConfig:
   dtype = 'float32'
 utils.create_learning_rate_scheduler.base_learning_rate = 0.01
 utils.SaveCheckpointConfig.period = 20
+adafactor.Adafactor.min_dim_size_to_factor = 32
 train_script.train.stats_period = 5
 """
 
@@ -303,7 +306,12 @@ def test_finetunes_from_the_fixture_as_initial_checkpoint(tmp_path):
                        env={"PYTHONPATH": os.pathsep.join([str(tmp_path), ROOT]),
                             "T5FORGE_CACHE": str(tmp_path / "cache")})
   assert r.returncode == 0, r.stderr[-3000:]
-  assert "initialised from" in r.stdout + r.stderr and "step 1000000" in r.stdout + r.stderr
+  log = r.stdout + r.stderr
+  assert "initialised from" in log and "step 1000000" in log
+  # The run's Adafactor factors as the checkpoint's (min_dim_size_to_factor 32 here): every
+  # parameter's second moments come from its slots.
+  assert "Adafactor second moments of 52 parameter(s) from the Mesh TF slots" in log, log
+  assert "fresh second moments" not in log
   rows = [x for x in read_jsonl(model_dir / "metrics.jsonl") if x["split"] == "train"]
   assert rows[-1]["step"] == 1000020
   losses = [x["loss_per_nonpadding_target_token"] for x in rows]
@@ -441,3 +449,36 @@ def test_snappy_blocks_and_many_blocks_read(tmp_path, expected):
   logits = model.logits(np.array(expected["encoder_input_tokens"]),
                         np.array(expected["decoder_input_tokens"]))
   assert np.abs(logits - np.array(expected["logits_float64"])).max() < 2e-5
+
+
+@pytest.mark.parametrize("min_dim,seeded", [(32, 52), (128, 14)])
+def test_adafactor_slots_seed_the_runs_state_where_it_factors_alike(min_dim, seeded):
+  import jax
+
+  from t5forge import nn
+  from t5forge.train import optim
+  from t5forge.train.checkpoint import initial_second_moments
+  from t5forge.train.settings import RestoreCheckpointConfig
+  config = load_checkpoint(PREFIX).config
+  axes, abstract = nn.logical_axes(config), nn.abstract_params(config)
+  spec = optim.Adafactor(min_dim_size_to_factor=min_dim)
+  state = spec.build(lambda _: 0.01, axes).init(
+      jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), abstract))
+  state_axes = spec.state_axes(state, abstract, axes)
+  state, notes = initial_second_moments(RestoreCheckpointConfig(path=PREFIX), state,
+                                        state_axes, axes, model_config=config)
+  assert f"of {seeded} parameter(s)" in notes[0]
+  assert (len(notes) == 2 and notes[1].startswith("38 parameter(s) start with fresh")) == (
+      min_dim == 128)
+  bundle = tf_bundle.Bundle(PREFIX)
+  scale = state.v["encoder"]["layers_1"]["pre_mlp_layer_norm"]["scale"]
+  np.testing.assert_array_equal(
+      scale, bundle.read("encoder/block_001/layer_001/rms_norm/scale_slot_v"))
+  if min_dim == 32:
+    # o [heads*d_kv, d_model] is square: Mesh TF's vr keeps dim 1 (d0 is the first of the
+    # largest), which is where our v_col keeps it (v_row keeps dim 0, the heuristic's rows).
+    o = "decoder/block_001/layer_001/EncDecAttention/o"
+    ours = state.v_col["decoder"]["layers_1"]["encoder_decoder_attention"]["out"]["kernel"]
+    np.testing.assert_array_equal(ours, bundle.read(o + "_slot_vr"))
+    emb = state.v_col["token_embedder"]["embedding"]  # [vocab 512, 32]: keeps the vocab dim
+    np.testing.assert_array_equal(emb, bundle.read("shared/embedding_slot_vc"))

@@ -19,8 +19,9 @@ there: only the bindings listed in `_GIN` are read, by `gin_bindings` (a small p
 `DenseReluDense.activation`; without a gin, 'relu' for one `wi` and ('gelu', 'linear') for
 `wi_0`/`wi_1`, as every released T5 checkpoint has.
 
-Adafactor's slots (`<name>_slot_vr` / `_slot_vc` / `_slot_v`) are counted, not read (a
-run starts its optimizer afresh from the parameters, as from a T5X checkpoint), and
+Adafactor's slots (`<name>_slot_vr` / `_slot_vc` / `_slot_v`) are counted by `load_mtf`
+and read by `read_slots` (training from the checkpoint seeds its Adafactor state with
+them where it factors alike: `train.checkpoint.initial_second_moments`);
 `global_step` is the checkpoint's step.
 """
 from __future__ import annotations
@@ -113,6 +114,19 @@ def local_prefix(prefix: str) -> str:
 # ------------------------------------------------------------------------------ the gin
 
 
+def _strip_comment(line: str) -> str:
+  """`line` without a `#` comment (one outside quotes), right-stripped."""
+  quote = None
+  for i, c in enumerate(line):
+    if quote:
+      quote = None if c == quote else quote
+    elif c in "'\"":
+      quote = c
+    elif c == "#":
+      return line[:i].rstrip()
+  return line.rstrip()
+
+
 def gin_bindings(path: str) -> dict[str, object]:
   """`name = value` bindings of a gin file, values parsed as Python literals (`%macro`
   references resolved, `@configurable` references kept as their text). Imports, includes
@@ -125,7 +139,7 @@ def gin_bindings(path: str) -> dict[str, object]:
     lines = f.read().splitlines()
   statements, current, depth = [], "", 0
   for line in lines:
-    text = line.split("#", 1)[0].rstrip() if "'" not in line and '"' not in line else line.rstrip()
+    text = _strip_comment(line)
     if not current and (not text.strip() or text.lstrip().startswith(("import ", "include ",
                                                                          "from "))):
       continue
@@ -334,3 +348,38 @@ def load_mtf(path: str) -> tuple[ModelConfig, dict, dict]:
   if STEP_TENSOR in bundle:
     step = int(bundle.read(STEP_TENSOR))
   return config, params, {"step": step, "prefix": prefix, "slots": len(slots), "gin": gin}
+
+
+def read_slots(path: str) -> dict[tuple, dict]:
+  """Adafactor's second moments in a Mesh TF checkpoint, under our parameter paths.
+
+  Mesh TF factors a matrix over its two largest dims d0 >= d1 (the first on ties):
+  `_slot_vr` is the statistic with d0 reduced away, `_slot_vc` with d1 reduced away; an
+  unfactored parameter has `_slot_v`, its own shape.
+
+  Args:
+    path: the checkpoint (`find_prefix`), local.
+
+  Returns:
+    {our parameter path: {"v": array}} or {path: {"kept": {dim: array}}}, where `dim` is
+    the one parameter dim a factored statistic of a matrix keeps (0 or 1); parameters
+    without slots are left out.
+  """
+  prefix = find_prefix(path)
+  if prefix is None:
+    raise UserError(f"{path}: not a TensorFlow checkpoint (no .index file)")
+  bundle = tf_bundle.Bundle(prefix)
+  out: dict[tuple, dict] = {}
+  # The names depend only on the shapes (gated or not, tied or not, layer counts).
+  for ours, theirs in name_table(infer_config(bundle, None)):
+    shape = bundle.entry(theirs).shape
+    if theirs + "_slot_v" in bundle:
+      out[ours] = {"v": np.asarray(bundle.read(theirs + "_slot_v"), np.float32)}
+    elif theirs + "_slot_vr" in bundle and theirs + "_slot_vc" in bundle and len(shape) == 2:
+      d0 = int(np.argmax(shape))  # the first of the largest, as Python's stable sort
+      vr, vc = (np.asarray(bundle.read(theirs + s), np.float32) for s in ("_slot_vr", "_slot_vc"))
+      if vr.shape != (shape[1 - d0],) or vc.shape != (shape[d0],):
+        raise UserError(f"{bundle.index_path}: slots of {theirs!r} have shapes {vr.shape} "
+                        f"and {vc.shape}, which do not factor its shape {shape}")
+      out[ours] = {"kept": {1 - d0: vr, d0: vc}}
+  return out
