@@ -7,6 +7,8 @@ import json
 import os
 import shutil
 
+import google_crc32c
+import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
@@ -333,11 +335,28 @@ def test_a_bucket_checkpoint_reads_as_the_local_one(bucket_env, cache):
   for given in (url + "/model.ckpt-1000000", url + "/model.ckpt-1000000.index", url):
     remote = load_checkpoint(given)
     assert remote.format == "mtf" and remote.step == 1000000
-    for a, b in zip(*(__import__("jax").tree.leaves(c.params) for c in (remote, local))):
+    for a, b in zip(*(jax.tree.leaves(c.params) for c in (remote, local))):
       np.testing.assert_array_equal(a, b)
   # Only this checkpoint's files (and its gin) were copied, not the older step's shard.
   copied = os.listdir(os.path.dirname(remote.extras["prefix"]))
   assert "operative_config.gin" in copied and "model.ckpt-5.data-00000-of-00001" not in copied
+  # INITIAL_CHECKPOINT_PATH in the bucket: the parameters, the step and the slots.
+  from t5forge import nn
+  from t5forge.train import optim
+  from t5forge.train.checkpoint import initial_params, initial_second_moments
+  from t5forge.train.settings import RestoreCheckpointConfig
+  restore = RestoreCheckpointConfig(path=url + "/model.ckpt-1000000")
+  params, step, scratch, _ = initial_params(restore, nn.init_params(local.config, jax.random.key(0)),
+                                            model_config=local.config)
+  assert step == 1000000 and not scratch
+  jax.tree.map(np.testing.assert_array_equal, params, local.params)
+  axes, abstract = nn.logical_axes(local.config), nn.abstract_params(local.config)
+  spec = optim.Adafactor(min_dim_size_to_factor=32)
+  state = spec.build(lambda _: 0.01, axes).init(params)
+  _, notes = initial_second_moments(restore, state, spec.state_axes(state, abstract, axes),
+                                    axes, model_config=local.config)
+  assert notes == [f"Adafactor second moments of 52 parameter(s) from the Mesh TF slots of "
+                   f"{restore.path}"]
 
 
 # ------------------------------------------------------------------- infer from the CLI
@@ -421,7 +440,7 @@ def _table(rows: list, blocks: int) -> bytes:
     raw += (0).to_bytes(4, "little") + (1).to_bytes(4, "little")
     body = pyarrow.compress(raw, codec="snappy", asbytes=True) if snappy else raw
     kind = bytes([1 if snappy else 0])
-    crc = tf_bundle.masked_crc(kind, __import__("google_crc32c").value(body))
+    crc = tf_bundle.masked_crc(kind, google_crc32c.value(body))
     return body + kind + crc.to_bytes(4, "little")
 
   out, index = b"", []
@@ -453,8 +472,6 @@ def test_snappy_blocks_and_many_blocks_read(tmp_path, expected):
 
 @pytest.mark.parametrize("min_dim,seeded", [(32, 52), (128, 14)])
 def test_adafactor_slots_seed_the_runs_state_where_it_factors_alike(min_dim, seeded):
-  import jax
-
   from t5forge import nn
   from t5forge.train import optim
   from t5forge.train.checkpoint import initial_second_moments

@@ -65,9 +65,9 @@ def _state_prefix(directory: str) -> str | None:
   match = _STATE_LINE.search(head)
   if not match:
     return None
-  named = match["path"]
-  return named if storage.is_remote(named) or os.path.isabs(named) else storage.join(
-      directory, named)
+  # Its file's name, in this directory: a path recorded absolute names where the run wrote
+  # it (another machine, another bucket), not where the copy in hand is.
+  return storage.join(directory, os.path.basename(match["path"].rstrip("/")))
 
 
 def find_prefix(path: str) -> str | None:
