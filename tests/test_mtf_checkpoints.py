@@ -499,3 +499,38 @@ def test_adafactor_slots_seed_the_runs_state_where_it_factors_alike(min_dim, see
     np.testing.assert_array_equal(ours, bundle.read(o + "_slot_vr"))
     emb = state.v_col["token_embedder"]["embedding"]  # [vocab 512, 32]: keeps the vocab dim
     np.testing.assert_array_equal(emb, bundle.read("shared/embedding_slot_vc"))
+
+
+def test_a_model_that_does_not_fit_the_checkpoint_is_one_line():
+  from t5forge import nn
+  from t5forge.train.checkpoint import initial_params
+  from t5forge.train.settings import RestoreCheckpointConfig
+  config = load_checkpoint(PREFIX).config.replace(mlp_dim=128)  # the user's model gin
+  with pytest.raises(UserError) as e:
+    fresh = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), nn.abstract_params(config))
+    initial_params(RestoreCheckpointConfig(path=FIXTURE), fresh, model_config=config)
+  msg = str(e.value)
+  assert "\n" not in msg and "mlp/wi_0/kernel' has shape (32, 64)" in msg and "(32, 128)" in msg
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bucket_env", ["gs"], indirect=True)
+def test_finetunes_from_a_checkpoint_in_a_gcs_bucket(bucket_env, tmp_path):
+  from t5forge import storage
+  from train_helpers import ROOT, read_jsonl, train_in_process
+  _, bucket = bucket_env
+  url = bucket + "/pretrained_models/t5_1_1_tiny"
+  for name in os.listdir(FIXTURE):
+    if os.path.isfile(os.path.join(FIXTURE, name)):
+      storage.upload(os.path.join(FIXTURE, name), f"{url}/{name}")
+  (tmp_path / "mtf_tasks.py").write_text(TASKS_PY)
+  gin = tmp_path / "finetune.gin"
+  gin.write_text(FINETUNE_GIN.replace("TRAIN_STEPS = 1000020", "TRAIN_STEPS = 1000010"))
+  r = train_in_process(str(gin), tmp_path / "model", f'INITIAL_CHECKPOINT_PATH="{url}"',
+                       env={"PYTHONPATH": os.pathsep.join([str(tmp_path), ROOT]),
+                            "T5FORGE_CACHE": str(tmp_path / "cache")})
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "Adafactor second moments of 52 parameter(s)" in r.stdout + r.stderr
+  rows = [x for x in read_jsonl(tmp_path / "model" / "metrics.jsonl") if x["split"] == "train"]
+  losses = [x["loss_per_nonpadding_target_token"] for x in rows]
+  assert rows[-1]["step"] == 1000010 and losses[-1] < losses[0], losses
