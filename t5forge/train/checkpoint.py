@@ -46,8 +46,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies
 
-from t5forge import multihost, storage
-from t5forge import convert
+from t5forge import convert, multihost, storage
 from t5forge.convert import load_checkpoint, manifest, mtf, native
 from t5forge.errors import UserError
 from t5forge.nn import quant

@@ -671,7 +671,8 @@ def _restore_or_init(*, model, tx, seed, checkpointer, restore_cfg, train_iter, 
     # A Mesh TF checkpoint's Adafactor slots, where this run's Adafactor factors alike.
     opt_state, notes = ckpt_lib.initial_second_moments(restore_cfg, opt_state, axes[1], axes[0],
                                                        model_config=model.config)
-    opt_state = jax.device_put(opt_state, shardings.opt_state)
+    if notes:  # the seeded leaves are host arrays: placed as the state's shardings say
+      opt_state = jax.device_put(opt_state, shardings.opt_state)
     for note in notes:
       log(f"note: {note}")
   if step:
