@@ -1,6 +1,6 @@
 """`t5forge convert --input PATH --output DIR --to {t5forge,hf}`.
 
-Reads any checkpoint t5forge understands (HF directory, T5X checkpoint, t5forge
+Reads any checkpoint t5forge understands (HF directory, T5X or Mesh TF checkpoint, t5forge
 checkpoint or MODEL_DIR) and writes it as a t5forge checkpoint or an HF directory, with
 the vocabulary stored in the input (an HF directory gets the tokenizer files that
 transformers' AutoTokenizer loads).
