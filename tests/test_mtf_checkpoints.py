@@ -534,3 +534,17 @@ def test_finetunes_from_a_checkpoint_in_a_gcs_bucket(bucket_env, tmp_path):
   rows = [x for x in read_jsonl(tmp_path / "model" / "metrics.jsonl") if x["split"] == "train"]
   losses = [x["loss_per_nonpadding_target_token"] for x in rows]
   assert rows[-1]["step"] == 1000010 and losses[-1] < losses[0], losses
+
+
+def test_a_partitioned_variable_is_refused_in_one_line(tf, tmp_path):
+  graph = tf.Graph()
+  with graph.as_default():
+    tf.compat.v1.get_variable("shared/embedding", shape=[8, 4],
+                              partitioner=tf.compat.v1.fixed_size_partitioner(2))
+    saver = tf.compat.v1.train.Saver()
+    with tf.compat.v1.Session(graph=graph) as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      prefix = saver.save(sess, str(tmp_path / "model.ckpt"), global_step=1)
+  with pytest.raises(UserError, match=r"\.index: tensor 'shared/embedding' is a partitioned "
+                                      r"variable \(2 slices\).*save it unpartitioned"):
+    load_checkpoint(prefix)
