@@ -58,10 +58,9 @@ def _state_prefix(directory: str) -> str | None:
   state = storage.join(directory, STATE_FILE)
   if not storage.isfile(state):
     return None
-  try:
-    head = storage.read_bytes(state)[:4096].decode("utf-8")
-  except UnicodeDecodeError:
-    return None
+  # The head only: a T5X msgpack `checkpoint` may hold gigabytes of arrays (its bytes
+  # decode to text the pattern does not match).
+  head = storage.read_range(state, 0, 4096).decode("utf-8", "replace")
   match = _STATE_LINE.search(head)
   if not match:
     return None
