@@ -1,6 +1,6 @@
 """`t5forge convert --input PATH --output DIR --to {t5forge,hf}`.
 
-Reads any checkpoint t5forge understands (HF directory, T5X checkpoint, t5forge
+Reads any checkpoint t5forge understands (HF directory, T5X or Mesh TF checkpoint, t5forge
 checkpoint or MODEL_DIR) and writes it as a t5forge checkpoint or an HF directory, with
 the vocabulary stored in the input (an HF directory gets the tokenizer files that
 transformers' AutoTokenizer loads).
@@ -84,6 +84,9 @@ def main(argv: list[str]) -> int:
     n = len(jax.tree.leaves(ckpt.extras["param_states"]))
     print(f"note: not converted: T5X optimizer state ({n} arrays) and step {ckpt.step}; "
           "the parameters are complete")
+  if ckpt.format == "mtf":
+    print(f"note: not converted: Mesh TF Adafactor slots ({ckpt.extras['slots']} arrays) "
+          f"and global_step {ckpt.step}; the parameters are complete")
   vocab = of_checkpoint(ckpt)
   if args.to == "hf":
     if ckpt.config.scan_layers:

@@ -49,7 +49,7 @@ def main(argv: list[str]) -> int:
   parser = argparse.ArgumentParser(prog="t5forge eval", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--checkpoint", required=True,
-                      help="a checkpoint, a MODEL_DIR, an HF directory or a T5X checkpoint")
+                      help="a checkpoint, a MODEL_DIR, an HF directory, a T5X or Mesh TF checkpoint")
   parser.add_argument("--mode", choices=["specific", "latest", "all"], default=None,
                       help="default: 'latest' for a MODEL_DIR, else 'specific'")
   parser.add_argument("--task", required=True, help="registered task or mixture")

@@ -45,7 +45,7 @@ def main(argv: list[str]) -> int:
   parser = argparse.ArgumentParser(prog="t5forge export", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--checkpoint", required=True,
-                      help="checkpoint to export (t5forge, MODEL_DIR, HF directory, T5X)")
+                      help="checkpoint to export (t5forge, MODEL_DIR, HF directory, T5X, Mesh TF)")
   parser.add_argument("--output", required=True, help="directory to create")
   parser.add_argument("--format", required=True, help="jax, saved_model or hf")
   jax_flags = parser.add_argument_group("--format jax and saved_model")

@@ -35,7 +35,7 @@ def main(argv: list[str]) -> int:
   parser = argparse.ArgumentParser(prog="t5forge infer", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--checkpoint", required=True,
-                      help="a checkpoint, a MODEL_DIR (latest), an HF directory or T5X checkpoint")
+                      help="a checkpoint, a MODEL_DIR (latest), an HF directory, a T5X or Mesh TF checkpoint")
   src = parser.add_mutually_exclusive_group(required=True)
   src.add_argument("--input", help="TSV, JSONL or text file of inputs")
   src.add_argument("--task", help="registered task (with --split)")

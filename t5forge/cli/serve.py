@@ -75,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="t5forge serve", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--checkpoint", required=True, help="a t5forge checkpoint or MODEL_DIR (latest), "
-                 "an HF directory or Hub name, or a T5X checkpoint")
+                 "an HF directory or Hub name, or a T5X or Mesh TF checkpoint")
   p.add_argument("--vocabulary", default=None,
                  help="SentencePiece .model when the checkpoint carries none")
   p.add_argument("--model_name", default=None,

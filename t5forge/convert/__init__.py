@@ -7,6 +7,8 @@
 - a Hugging Face directory (`config.json` + `model.safetensors` / `pytorch_model.bin` /
   sharded index) of a family in `hf.FAMILIES` (T5, T5Gemma, T5Gemma 2: `hf/`);
 - a T5X checkpoint (`checkpoint_<step>/` with a msgpack `checkpoint` file, or the file);
+- a Mesh TensorFlow T5 checkpoint (TensorFlow V2 bundle): its prefix `model.ckpt-N`, its
+  `.index` file or its directory (`mtf`: T5 1.0, T5.1.1, mT5, ByT5 releases);
 - a Hugging Face Hub name such as `google/flan-t5-base`, downloaded when the machine is
   online (set HF_HUB_OFFLINE=1 to forbid it).
 
@@ -23,7 +25,7 @@ import dataclasses
 import os
 
 from t5forge import storage
-from t5forge.convert import hf, native, paths, t5x
+from t5forge.convert import hf, mtf, native, paths, t5x
 from t5forge.data import vocab_io
 from t5forge.data.vocab import Vocabulary
 from t5forge.errors import UserError
@@ -31,7 +33,7 @@ from t5forge.nn import adapters, quant
 from t5forge.nn.config import ModelConfig
 from t5forge.nn.stack import stack_layers, unstack_layers
 
-HF, T5X, T5FORGE = "hf", "t5x", "t5forge"
+HF, T5X, T5FORGE, MTF = "hf", "t5x", "t5forge", "mtf"
 
 
 @dataclasses.dataclass
@@ -42,11 +44,11 @@ class LoadedCheckpoint:
     config: the model config.
     params: float32 parameter tree (numpy or jax arrays); with a `base_dtype`, kernels
       as that base keeps them (`nn.adapters.store_base`).
-    format: 'hf', 't5x' or 't5forge'.
+    format: 'hf', 't5x', 'mtf' or 't5forge'.
     path: the directory or file actually read (e.g. the latest checkpoint_<step>).
     step: training step, when the format records one (else 0).
-    extras: format-specific leftovers, e.g. T5X's optimizer `param_states`, or the
-      t5forge config item (vocabulary spec ...).
+    extras: format-specific leftovers, e.g. T5X's optimizer `param_states`, Mesh TF's
+      count of Adafactor `slots`, or the t5forge config item (vocabulary spec ...).
   """
 
   config: ModelConfig
@@ -101,6 +103,9 @@ def readable(path: str) -> str:
     return path
   if storage.scheme(path) == "gs" and native.is_native_checkpoint(path):
     return path
+  prefix = mtf.find_prefix(path)
+  if prefix is not None:  # a prefix, not an object: copy the bundle's files only
+    return mtf.local_prefix(prefix)
   try:
     return storage.local_copy(path)
   except FileNotFoundError:
@@ -127,12 +132,14 @@ def local_path(path: str) -> str:
 
 
 def detect_format(path: str) -> str:
-  """'t5forge', 'hf' or 't5x' for an existing local path or bucket URL; UserError
-  otherwise."""
+  """'t5forge', 'hf', 't5x' or 'mtf' for an existing local path (a Mesh TF prefix
+  included) or bucket URL; UserError otherwise."""
   if storage.is_remote(path):
     if native.is_native_checkpoint(path) or paths.is_model_dir(path):
       return T5FORGE
     return detect_format(readable(path))
+  if not os.path.isdir(path) and mtf.find_prefix(path) is not None:
+    return MTF
   if os.path.isdir(path):
     if native.is_native_checkpoint(path) or paths.is_model_dir(path):
       return T5FORGE
@@ -143,9 +150,12 @@ def detect_format(path: str) -> str:
                       f"{hf.SAFETENSORS}, {hf.TORCH_BIN} or a sharded *.index.json beside it")
     if t5x.is_t5x_checkpoint(path):
       return T5X
+    if mtf.find_prefix(path) is not None:
+      return MTF
     raise UserError(f"{path}: not a checkpoint; found {_describe(path)}. Expected a "
                     "t5forge checkpoint or MODEL_DIR, an HF directory (config.json + "
-                    "model.safetensors) or a T5X checkpoint_<step> directory")
+                    "model.safetensors), a T5X checkpoint_<step> directory or a Mesh TF "
+                    "model.ckpt-N prefix")
   if os.path.isfile(path):
     if t5x.is_t5x_checkpoint(path):
       return T5X
@@ -210,6 +220,9 @@ def load_checkpoint(path: str, *, base_dtype: str | None = None,
   elif fmt == HF:
     config, params = hf.load_hf(path, store=store,
                                 scan_layers=overrides.get("scan_layers", False))
+  elif fmt == MTF:
+    config, params, extras = mtf.load_mtf(path)
+    step = extras["step"]
   else:
     config, params, extras = t5x.load_t5x(path)
     step = extras["step"]
@@ -223,7 +236,7 @@ def load_checkpoint(path: str, *, base_dtype: str | None = None,
 
 
 def of_checkpoint(ckpt: LoadedCheckpoint) -> Vocabulary | None:
-  """The vocabulary stored with a loaded checkpoint (None: T5X, or HF without a
+  """The vocabulary stored with a loaded checkpoint (None: T5X, Mesh TF, or HF without a
   tokenizer)."""
   if ckpt.format == T5FORGE:
     return vocab_io.from_spec(ckpt.extras.get("vocabulary"))
@@ -242,7 +255,8 @@ def from_checkpoint(path: str) -> Vocabulary | None:
   Args:
     path: a t5forge checkpoint or MODEL_DIR (its latest checkpoint's spec), an HF
       directory (spiece.model / ByT5's tokenizer_config.json; weights are not needed),
-      a Hugging Face Hub name (fetched as `load_checkpoint` does), or a T5X checkpoint.
+      a Hugging Face Hub name (fetched as `load_checkpoint` does), or a T5X or Mesh TF
+      checkpoint (which store none).
 
   Returns:
     The vocabulary, or None where the checkpoint stores none.

@@ -4,7 +4,8 @@ A user names a checkpoint to `t5forge.load`, eval, infer, serve, export, convert
 INITIAL_CHECKPOINT_PATH or a vocabulary `from_checkpoint` in one of these ways:
 
 - a checkpoint: `MODEL_DIR/checkpoint_<step>`, a converted t5forge directory, a Hugging
-  Face directory, a T5X checkpoint directory or file; it names itself;
+  Face directory, a T5X checkpoint directory or file, a Mesh TF bundle's prefix
+  (`model.ckpt-N`, not a file itself), its .index or directory; it names itself;
 - a MODEL_DIR: its newest intact `checkpoint_<step>` (newer damaged ones are named in a
   note, `native.latest_checkpoint`), or, with `step`, that step's;
 - every checkpoint of a MODEL_DIR (`resolve_all`: eval's mode 'all').
@@ -26,11 +27,11 @@ import dataclasses
 import os
 
 from t5forge import storage
-from t5forge.convert import native
+from t5forge.convert import mtf, native
 from t5forge.errors import UserError
 
-_KINDS = ("pass a checkpoint (checkpoint_<step>, a t5forge, HF or T5X checkpoint) or the "
-          "MODEL_DIR a run wrote")
+_KINDS = ("pass a checkpoint (checkpoint_<step>, a t5forge, HF, T5X or Mesh TF "
+          "model.ckpt-N checkpoint) or the MODEL_DIR a run wrote")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +97,12 @@ def resolve(path: str, *, step: int | None = None) -> Resolved:
   full = _absolute(path)
   shown = path if full == path else f"{path} ({full})"
   if not storage.exists(full):
+    if mtf.find_prefix(full) is not None:  # a Mesh TF prefix names files, not itself one
+      if step is not None and mtf.step_of(full) != step:
+        raise UserError(f"{shown}: step {step} asked for, but this Mesh TF checkpoint is "
+                        f"step {mtf.step_of(full)}; pass the prefix of step {step}")
+      # Its directory plays a MODEL_DIR's part (eval writes inference_eval/ there).
+      return Resolved(full, path, mtf.step_of(full), storage.dirname(full))
     raise UserError(f"{shown}: no such file or directory; {_KINDS}")
   if not is_model_dir(full):
     if step is not None and native.step_of(full) != step:

@@ -9,7 +9,7 @@ import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from t5forge.errors import UserError
 from t5forge.storage.clients import check_bucket
@@ -73,10 +73,11 @@ def _cache_dir(url: str, version: str) -> str:
 _UNVERSIONED = "unversioned"
 
 
-def local_copy(path: str) -> str:
+def local_copy(path: str, *, keep: Callable[[str], bool] | None = None) -> str:
   """A local path holding what `path` holds: `path` itself when local; for a bucket object
   or prefix, a copy under the cache, made once per object version (generation / ETag) and
-  reused until the object changes. Directories are copied file by file."""
+  reused until the object changes. Directories are copied file by file; with `keep`, only
+  the files whose names (relative to `path`) it accepts (e.g. one checkpoint of several)."""
   if not is_remote(path):
     return path
   path = normalize(path)
@@ -85,6 +86,8 @@ def local_copy(path: str) -> str:
     files = None
   except (FileNotFoundError, IsADirectoryError):
     files = walk_files(path)
+    if keep is not None:
+      files = {name: f for name, f in files.items() if keep(name)}
     if not files:
       raise FileNotFoundError(path) from None
   # An object without a generation / ETag (a server that gives none) cannot be told from

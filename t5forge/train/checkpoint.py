@@ -46,10 +46,11 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies
 
-from t5forge import multihost, storage
-from t5forge.convert import load_checkpoint, manifest, native
+from t5forge import convert, multihost, storage
+from t5forge.convert import load_checkpoint, manifest, mtf, native
 from t5forge.errors import UserError
 from t5forge.nn import quant
+from t5forge.train import optim
 from t5forge.train.settings import RestoreCheckpointConfig, SaveCheckpointConfig
 
 OPT_STATE = "opt_state"
@@ -477,3 +478,31 @@ def initial_params(config: RestoreCheckpointConfig, fresh_params: Any, *, model_
   notes = [f"{name}: checkpoint {getattr(ckpt.config, name)!r}, model {getattr(model_config, name)!r}"
            for name in semantic if getattr(ckpt.config, name) != getattr(model_config, name)]
   return params, (ckpt.step if config.restore_step else 0), scratch, notes
+
+
+def initial_second_moments(config: RestoreCheckpointConfig, opt_state: Any, opt_axes: Any,
+                           param_axes: Any, *, model_config) -> tuple[Any, list[str]]:
+  """The run's fresh optimizer state with a Mesh TF checkpoint's Adafactor slots in it,
+  where the run's Adafactor factors each parameter the same way
+  (`optim.seed_second_moments`); other formats: as it is.
+
+  Returns:
+    (optimizer state, lines for the log: what was seeded and what was left fresh).
+  """
+  local, _ = convert.locate(config.path)  # a bucket's copy is cached: not fetched again
+  if convert.detect_format(local) != convert.MTF:
+    return opt_state, []
+  if model_config.scan_layers:
+    return opt_state, [f"{config.path}: Mesh TF Adafactor slots not used: the model scans "
+                       "its layers (scan_layers), the slots are per layer"]
+  moments = mtf.read_slots(local)
+  if not moments:
+    return opt_state, []
+  opt_state, seeded, fresh = optim.seed_second_moments(opt_state, opt_axes, param_axes, moments)
+  notes = [f"Adafactor second moments of {seeded} parameter(s) from the Mesh TF slots of "
+           f"{config.path}"]
+  if fresh:
+    notes.append(f"{len(fresh)} parameter(s) start with fresh second moments (the run's "
+                 f"optimizer does not factor them as the checkpoint's did): "
+                 f"{', '.join(fresh[:3])}{', ...' if len(fresh) > 3 else ''}")
+  return opt_state, notes

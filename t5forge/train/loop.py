@@ -370,6 +370,7 @@ class _Run:
         model=model, tx=tx, seed=self.seed, checkpointer=self.checkpointer,
         restore_cfg=checkpoint_cfg.restore, train_iter=self.train_iter,
         abstract=(self.abstract_params, self.abstract_opt), shardings=self.shardings, log=self.log,
+        axes=(self.param_axes, self.opt_axes),
         allow_changed_data=self.allow_changed_data, adapter=self.adapter, base=self.base)
     self.start = int(self.state.step)
     resumed = storage.join(self.model_dir, f"checkpoint_{self.start}")
@@ -616,7 +617,7 @@ def _base_shardings(part: Partitioner, axes: dict, base: dict) -> dict:
 
 
 def _restore_or_init(*, model, tx, seed, checkpointer, restore_cfg, train_iter, abstract,
-                     shardings, log, allow_changed_data=False, adapter=False,
+                     shardings, log, axes=None, allow_changed_data=False, adapter=False,
                      base=None) -> TrainState:
   """The restore order: MODEL_DIR's latest checkpoint, INITIAL_CHECKPOINT_PATH, scratch.
   Adapter training: the latest checkpoint, else a fresh adapter (the base is loaded
@@ -666,6 +667,14 @@ def _restore_or_init(*, model, tx, seed, checkpointer, restore_cfg, train_iter, 
     for note in notes:
       log(f"note: checkpoint and model config differ in {note}")
   opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)
+  if restore_cfg is not None and restore_cfg.path and not adapter and axes is not None:
+    # A Mesh TF checkpoint's Adafactor slots, where this run's Adafactor factors alike.
+    opt_state, notes = ckpt_lib.initial_second_moments(restore_cfg, opt_state, axes[1], axes[0],
+                                                       model_config=model.config)
+    if notes:  # the seeded leaves are host arrays: placed as the state's shardings say
+      opt_state = jax.device_put(opt_state, shardings.opt_state)
+    for note in notes:
+      log(f"note: {note}")
   if step:
     opt_state = jax.device_put(optim.set_step(opt_state, step), shardings.opt_state)
   return TrainState(step=jax.device_put(jnp.asarray(step, jnp.int32), shardings.step),

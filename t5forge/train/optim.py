@@ -284,6 +284,71 @@ def adafactor(learning_rate: float | Schedule, *, param_axes: Any = None, factor
   return optax.GradientTransformation(init, update)
 
 
+def _by_path(tree: Any, is_leaf=None) -> dict[tuple, Any]:
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+  return {tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path): leaf
+          for path, leaf in flat}
+
+
+def seed_second_moments(state: Any, state_axes: Any, param_axes: Any,
+                        moments: dict[tuple, dict]) -> tuple[Any, int, list[str]]:
+  """The Adafactor `state` with second moments another Adafactor kept (a Mesh TF
+  checkpoint's slots: `convert.mtf.read_slots`), for each parameter this one factors the
+  same way: both unfactored (`v`, the parameter's shape), or both factored with
+  statistics keeping the same dims (`v_row` / `v_col`, matched through their logical
+  axes in `state_axes`, so square matrices match too).
+
+  Args:
+    state: an `AdafactorState` (anything else: nothing is seeded).
+    state_axes: its logical axes (`adafactor_state_axes`).
+    param_axes: the parameters' logical axes.
+    moments: {parameter path: {"v": array} or {"kept": {param dim: array}}}.
+
+  Returns:
+    (state, number of parameters seeded, '/'-joined paths of those left fresh).
+  """
+  if not isinstance(state, AdafactorState):
+    return state, 0, sorted("/".join(p) for p in moments)
+  trees = {f: _by_path(getattr(state, f)) for f in ("v_row", "v_col", "v")}
+  ax_row, ax_col = (_by_path(getattr(state_axes, f), is_leaf=is_axes) for f in ("v_row", "v_col"))
+  pax = _by_path(param_axes, is_leaf=is_axes)
+  new: dict[str, dict] = {f: {} for f in trees}
+  seeded, fresh = 0, []
+
+  def fits(field, path, value):
+    return tuple(trees[field][path].shape) == tuple(value.shape)
+
+  for path, m in sorted(moments.items()):
+    unfactored = path in ax_row and tuple(ax_row[path]) == (None,)
+    if path not in trees["v"]:
+      fresh.append("/".join(path))
+    elif "v" in m and unfactored and fits("v", path, m["v"]):
+      new["v"][path] = m["v"]
+      seeded += 1
+    elif "kept" in m and not unfactored:
+      axes = tuple(pax[path])
+      row = [i for i, a in enumerate(axes) if a in tuple(ax_row[path])]
+      col = [i for i, a in enumerate(axes) if a in tuple(ax_col[path])]
+      if (len(row) == len(col) == 1 and row != col and row[0] in m["kept"]
+          and col[0] in m["kept"] and fits("v_row", path, m["kept"][row[0]])
+          and fits("v_col", path, m["kept"][col[0]])):
+        new["v_row"][path], new["v_col"][path] = m["kept"][row[0]], m["kept"][col[0]]
+        seeded += 1
+      else:
+        fresh.append("/".join(path))
+    else:
+      fresh.append("/".join(path))
+
+  def rebuilt(field):
+    values = new[field]
+    return jax.tree_util.tree_map_with_path(
+        lambda p, leaf: values.get(tuple(getattr(k, "key", getattr(k, "idx", k)) for k in p),
+                                   leaf), getattr(state, field))
+
+  return state._replace(v_row=rebuilt("v_row"), v_col=rebuilt("v_col"), v=rebuilt("v")), \
+      seeded, fresh
+
+
 def adafactor_state_axes(state: AdafactorState, params: Any, param_axes: Any, *,
                          factored: bool = True, min_dim_size_to_factor: int = 128,
                          logical_factor_rules: dict[str, FactorDim] | None = None):
