@@ -3,8 +3,9 @@
 # make test-fast (2.5 min): all but the tests marked slow, for your own edit-test loop.
 # make bench: the benchmarks.
 # Each creates .venv (Python 3.11) if it is missing and installs what it uses: the demo
-# only the library, test adds pytest + the numerical references (torch, transformers),
-# bench adds torch, transformers and CTranslate2.  .venv/bin/python -m t5forge ... works
+# only the library, test adds pytest + the numerical references (torch, transformers)
+# and the [tf] and [beam] extras (SavedModel export, cache_tasks; TensorFlow also writes
+# the Mesh TF bundles the tests read), bench adds torch, transformers and CTranslate2.  .venv/bin/python -m t5forge ... works
 # after any of them.  test also needs a browser for the serving page's test
 # (tests/test_serve_page.py drives headless chromium through selenium): when `chromium` or
 # `chromedriver` is not on PATH, the browser target installs Debian's chromium and
