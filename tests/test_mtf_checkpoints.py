@@ -213,7 +213,9 @@ def written(tf, tmp_path_factory):
   for name, variant, tied, factored, shards in (
       ("t5_1_0", "t5_1_0", True, None, 3),
       ("factored", "flan_5x", False, True, 2),
-      ("unfactored", "flan_5x", False, False, 1)):
+      ("unfactored", "flan_5x", False, False, 1),
+      ("mt5", "mt5", False, True, 2),  # MT5ForConditionalGeneration, vocabulary 300
+      ("byt5", "byt5", False, False, 1)):  # a byte vocabulary (384), 4 + 2 layers
     root = tmp_path_factory.mktemp(name)
     hf_dir = build_hf_dir(variant, str(root / "hf"), seed=3)
     with open(os.path.join(hf_dir, "config.json")) as f:
@@ -229,7 +231,8 @@ def written(tf, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,shards", [("t5_1_0", 3), ("factored", 2), ("unfactored", 1)])
+@pytest.mark.parametrize("name,shards", [("t5_1_0", 3), ("factored", 2), ("unfactored", 1),
+                                         ("mt5", 2), ("byt5", 1)])
 def test_saver_bundles_match_transformers(written, name, shards):
   prefix, hf_dir, slots = written[name]
   assert prefix.endswith("model.ckpt-250")
