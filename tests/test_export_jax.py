@@ -345,10 +345,14 @@ def test_decoder_only_export(tmp_path_factory):
   ckpt, model = _checkpoint(tmp_path_factory, "decoder_only.tiny")
   out = str(tmp_path_factory.mktemp("export") / "dec")
   _export(ckpt, out, "--batch_sizes", "2", "--input_lengths", "32", "--decode_lengths",
-          str(DECODE))
+          str(DECODE), "--methods", "greedy,beam")
   m = exported.ExportedModel(out)
+  assert m.num_beams == 4  # --num_beams' default
   assert m.generate(TEXTS[:3], max_new_tokens=DECODE) == model.generate(
       TEXTS[:3], max_decode_length=DECODE)
+  # Beam search continuing a prompt (forced tokens keep one beam alive, as T5X).
+  assert m.generate(TEXTS[:3], method="beam", alpha=1.0) == model.generate(
+      TEXTS[:3], max_decode_length=DECODE, method="beam", num_decodes=4, alpha=1.0)
 
 
 def test_hf_format_loads_in_transformers(enc_dec, live, tmp_path):
