@@ -274,15 +274,15 @@ def test_beam_alpha_is_a_runtime_argument(enc_dec, tmp_path):
   assert got[0.0] != got[2.0]
 
 
-def test_sort_top_k_is_lax_top_k():
-  """The SavedModel's beam search takes its top-k with a sort: the same values and indices
-  as lax.top_k, ties (here every value twice, and -inf) lower index first."""
+def test_portable_top_k_is_lax_top_k():
+  """The SavedModel's beam search takes its top-k from reductions: the same values and
+  indices as lax.top_k, ties (here every value twice, and -inf) lower index first."""
   import jax
   from t5forge import decoding
-  x = np.random.default_rng(0).standard_normal((3, 4, 50)).astype(np.float32)
+  x = np.random.default_rng(0).standard_normal((3, 4, 10)).astype(np.float32)
   x = np.concatenate([x, x, np.full((3, 4, 5), -np.inf, np.float32)], axis=-1)
-  for k in (1, 7, 100, 105):
-    want, got = jax.lax.top_k(x, k), decoding.sort_top_k(x, k)
+  for k in (1, 7, 25):
+    want, got = jax.lax.top_k(x, k), decoding.portable_top_k(x, k)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
 

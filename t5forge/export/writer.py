@@ -118,7 +118,7 @@ def generate_fn(model, method: str, decode_length: int, num_beams: int = DEFAULT
   """The function that is exported: params (flat dict) + arrays -> (tokens [b, l] int32,
   scores [b] float32); its arguments after params are `arg_specs(method, ...)`.
 
-  for_tensorflow: beam search takes its top-k with `decoding.sort_top_k` (the same
+  for_tensorflow: beam search takes its top-k with `decoding.portable_top_k` (the same
   result), as TensorFlow's XlaCallModule cannot read what `lax.top_k` serializes to."""
 
   def features(inputs):
@@ -142,7 +142,7 @@ def generate_fn(model, method: str, decode_length: int, num_beams: int = DEFAULT
     tokens, aux = model.predict_batch_with_aux(
         unflatten_params(flat_params), features(inputs), None,
         decoder_params={"alpha": alpha, "max_decode_steps": max_new_tokens,
-                        "top_k": decoding.sort_top_k if for_tensorflow else jax.lax.top_k},
+                        "top_k": decoding.portable_top_k if for_tensorflow else jax.lax.top_k},
         num_decodes=num_beams, max_decode_length=decode_length,
         decode_fn=decoding.beam_search)
     return tokens.astype(jnp.int32), aux["scores"].astype(jnp.float32)
