@@ -264,6 +264,10 @@ def test_bad_flags_and_missing_tensorflow_are_one_line(exported, tmp_path, monke
                      r"length 16; exported \(input, decode\) lengths: \[\(24, 16\), \(64, 16\)\]"):
     sm.SavedModelRunner(exported.out).run(np.ones((1, 70), np.int32), DECODE)
   runner = sm.SavedModelRunner(exported.out)
+  with pytest.raises(UserError) as e:
+    runner.generate(["a"], 4, method="contrastive")
+  assert str(e.value) == ("method 'contrastive' was not exported (this SavedModel has beam, "
+                          "greedy, sample); choose from greedy, sample, beam")
   with pytest.raises(UserError, match=r"ids outside \[0, 8192\): min 1, max 9000"):
     runner.run(np.array([[9000, 1]]), 4)
   with pytest.raises(UserError, match="max_new_tokens must be >= 1, got 0"):

@@ -167,8 +167,8 @@ def _serving_fn(method: str, converted, variables: dict):
 def export_saved_model(model, params: dict, vocab, out_dir: str, *,
                        input_lengths: list[int], decode_lengths: list[int],
                        warmup_batch_sizes: list[int], methods: tuple[str, ...] = ("greedy",),
-                       num_beams: int | None = None, platforms: tuple[str, ...] | None = None, source: dict | None = None,
-                       log=print) -> dict:
+                       num_beams: int | None = None, platforms: tuple[str, ...] | None = None,
+                       source: dict | None = None, log=print) -> dict:
   """Exports `model`'s generate functions with `params` and `vocab` as a SavedModel.
 
   Args:
@@ -311,8 +311,10 @@ class SavedModelRunner:
     own = [s for s in self.manifest["signatures"] if s["method"] == method]
     if not own:
       have = sorted({s["method"] for s in self.manifest["signatures"]})
+      fix = (f"re-export with --methods {method}" if method in writer.METHODS else
+             f"choose from {', '.join(writer.METHODS)}")
       raise UserError(f"method {method!r} was not exported (this SavedModel has "
-                      f"{', '.join(have)}); re-export with --methods {method}")
+                      f"{', '.join(have)}); {fix}")
     fits = [s for s in own if s["input_length"] >= input_length
             and s["decode_length"] >= decode_length]
     if not fits:
