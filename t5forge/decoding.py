@@ -547,11 +547,35 @@ class _BeamState(NamedTuple):
   finished_tok: Any = None
 
 
+def portable_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """`lax.top_k`'s result from max and min reductions: the k largest values of x [..., n]
+  (no NaN) and their indices [..., k] int32, ties lower index first as `lax.top_k`.
+
+  For a consumer older than the StableHLO that `lax.top_k` serializes to (a `chlo.top_k`
+  composite, which TensorFlow 2.21's XlaCallModule cannot read). k passes of two
+  reductions each: for beam search's small k far cheaper than a sort of the n = beams x
+  vocabulary candidates (on this Xeon's CPU, 4 x 32128 candidates, k = 8: a stable sort
+  42 ms, this 1.1 ms, lax.top_k 0.2 ms).
+  """
+  n = x.shape[-1]
+  index = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+  taken = jnp.zeros(x.shape, bool)
+  values, indices = [], []
+  for _ in range(k):
+    best = jnp.max(jnp.where(taken, -jnp.inf, x), axis=-1, keepdims=True)
+    # The lowest untaken index holding it (a taken -inf must not win a tie with -inf).
+    at = jnp.min(jnp.where((x == best) & ~taken, index, n), axis=-1, keepdims=True)
+    values.append(best[..., 0])
+    indices.append(at[..., 0])
+    taken = taken | (index == at)
+  return jnp.stack(values, axis=-1), jnp.stack(indices, axis=-1)
+
+
 def beam_search(inputs: jax.Array, cache: PyTree, tokens_to_logits: TokensToLogits,
                 eos_id: int, num_decodes: int = 4, alpha=0.6, max_decode_len: int | None = None,
                 decode_rng: jax.Array | None = None, initial_index: jax.Array | None = None,
                 max_decode_steps=None, min_log_prob=None,
-                cache_offset: int = 0, log_probs: int | None = None):
+                cache_offset: int = 0, log_probs: int | None = None, top_k=lax.top_k):
   """T5X's beam search: k live and k finished beams, top-2k candidates per step.
 
   A finished sequence (ending in EOS at position `length`, counted from 1 and including
@@ -602,6 +626,8 @@ def beam_search(inputs: jax.Array, cache: PyTree, tokens_to_logits: TokensToLogi
     `token_log_probs` [b, k, max_decode_len] float32 (0 after the end; their sum is the
     beam's log-prob, its score times the brevity penalty), `top_ids` int32 and
     `top_log_probs` float32 [b, k, max_decode_len, K].
+    top_k: static; the k-largest function, `lax.top_k` or `portable_top_k` (the same
+      result, for a TensorFlow SavedModel).
   """
   del decode_rng
   inputs = _check_inputs(inputs)
@@ -664,7 +690,7 @@ def beam_search(inputs: jax.Array, cache: PyTree, tokens_to_logits: TokensToLogi
     # [b, k, v]: log-prob of every one-token extension of every live beam.
     ext_lp = token_lp + s.live_log_probs[:, :, None]
     # Keep 2k candidates so that k survive even if k of them end with EOS: [b, 2k].
-    cand_lp, flat_idx = lax.top_k(ext_lp.reshape(b, k * v), 2 * k)
+    cand_lp, flat_idx = top_k(ext_lp.reshape(b, k * v), 2 * k)
     cand_beam, cand_tok = flat_idx // v, (flat_idx % v).astype(jnp.int32)
 
     nxt = jnp.minimum(s.cur_index + 1, l)  # [b]
@@ -686,7 +712,7 @@ def beam_search(inputs: jax.Array, cache: PyTree, tokens_to_logits: TokensToLogi
       # The new token's own log-prob (0 when forced) and its parent's top alternatives.
       own = jnp.where(forced, 0.0,
                       jnp.take_along_axis(token_lp.reshape(b, k * v), flat_idx, axis=1))
-      top_lp, top_id = lax.top_k(token_lp, top)  # [b, k, K]
+      top_lp, top_id = top_k(token_lp, top)  # [b, k, K]
       lp_seq, id_seq, tlp_seq = (_take_beams(x, cand_beam) for x in s.live_tok)
       cand_tok_arrays = (
           jnp.where(at_nxt, own[:, :, None], lp_seq),
@@ -697,14 +723,14 @@ def beam_search(inputs: jax.Array, cache: PyTree, tokens_to_logits: TokensToLogi
 
     # Live: the best k candidates that did not end. Increasing order, as T5X.
     live_lp = cand_lp + cand_ended * NEG_INF
-    live_pick = jnp.flip(lax.top_k(live_lp, k)[1], axis=1)  # [b, k]
+    live_pick = jnp.flip(top_k(live_lp, k)[1], axis=1)  # [b, k]
     parent = jnp.take_along_axis(cand_beam, live_pick, axis=1)
     new_cache = _gather_cache_beams(new_cache, parent, cache_offset)
 
     # Finished: the best k of the old finished and the candidates that just ended.
     cand_scores = cand_lp / brevity_penalty(alpha, nxt)[:, None] + (~cand_ended) * NEG_INF
     all_scores = jnp.concatenate([s.finished_scores, cand_scores], axis=1)  # [b, 3k]
-    fin_pick = jnp.flip(lax.top_k(all_scores, k)[1], axis=1)
+    fin_pick = jnp.flip(top_k(all_scores, k)[1], axis=1)
     # Live sequences carry the rest of the prompt; a finished one is 0 after its EOS.
     cand_done = jnp.where(positions <= nxt[:, None, None], cand_seqs, 0)
     all_seqs = jnp.concatenate([s.finished_seqs, cand_done], axis=1)

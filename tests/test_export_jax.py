@@ -26,6 +26,7 @@ SPM = os.path.join(os.path.dirname(bundled_tasks.__file__), "bundled", "bible_en
 TEXTS = ["In the beginning God created the heaven and the earth.", "hello world", "a",
          "And God said, Let there be light: and there was light.", "Y dijo Dios"]
 DECODE = 16
+BEAMS = 3  # not the default 4: the flag must reach the compiled loop
 
 
 def _cli(*args, timeout=300):
@@ -80,7 +81,7 @@ def enc_dec(tmp_path_factory):
   ckpt, model = _checkpoint(tmp_path_factory, "flan_t5.tiny")
   out = str(tmp_path_factory.mktemp("export") / "enc_dec")
   _export(ckpt, out, "--batch_sizes", "1,4", "--input_lengths", "24,64", "--decode_lengths",
-          str(DECODE), "--methods", "greedy,sample")
+          str(DECODE), "--methods", "greedy,sample,beam", "--num_beams", str(BEAMS))
   return ckpt, model, out
 
 
@@ -98,9 +99,10 @@ def test_artifact_files_and_manifest(enc_dec):
     manifest = json.load(f)
   shapes = sorted((f["method"], f["batch"], f["input_length"], f["decode_length"])
                   for f in manifest["functions"])
-  assert shapes == sorted((m, b, i, DECODE) for m in ("greedy", "sample") for b in (1, 4)
-                          for i in (24, 64))
+  assert shapes == sorted((m, b, i, DECODE) for m in ("greedy", "sample", "beam")
+                          for b in (1, 4) for i in (24, 64))
   assert manifest["eos_id"] == 1 and manifest["pad_id"] == 0
+  assert manifest["num_beams"] == BEAMS
   assert manifest["model"]["num_parameters"] == sum(
       int(np.prod(s["shape"])) for s in manifest["parameters"]["tree"].values())
   listed = set(manifest["sha256"]) | {"manifest.json"}
@@ -215,10 +217,12 @@ def test_generator_interface_and_limits(enc_dec, live):
   assert gen.warmup([Kind()], [1, 4], [24], [DECODE]) == 2
   # Without max_new_tokens: the largest exported decode length.
   np.testing.assert_array_equal(gen.exported.generate(tokens[:1]), greedy[:1])
-  with pytest.raises(exported.ExportError, match="'beam' was not exported .* an export runs "
-                     "greedy or sample"):
-    gen.exported.generate(tokens[:1], method="beam")
-  for kind, word in ((Kind("beam", 2), "one decode"), (Kind(topk=5), "top_k"),
+  with pytest.raises(exported.ExportError, match="'contrastive' was not exported .* an export "
+                     "runs greedy, sample or beam"):
+    gen.exported.generate(tokens[:1], method="contrastive")
+  for kind, word in ((Kind("beam", BEAMS), f"num_beams is not served from an exported model: "
+                      f"its beam search \\(num_beams={BEAMS}\\) returns the best beam only"),
+                     (Kind("sample", 2), "one decode"), (Kind(topk=5), "top_k"),
                      (Kind(top_logprobs=2), "logprobs")):
     with pytest.raises(exported.ExportError, match=word):
       gen.generate(kind, tokens, decode_length=DECODE, max_new_tokens=np.full(3, 4))
@@ -227,6 +231,60 @@ def test_generator_interface_and_limits(enc_dec, live):
                  max_new_tokens=np.array([4]))
   with pytest.raises(exported.ExportError, match="decode length 17"):
     gen.exported.run("greedy", tokens, decode_length=DECODE + 1)
+
+
+def test_beam_matches_live_beam(enc_dec, live):
+  """The CLI's beam functions (3 beams) give the live model's beam text for five prompts
+  (4 + 1 rows: split), and its tokens and scores; most rows differ from greedy."""
+  _, model, out = enc_dec
+  m = exported.ExportedModel(out)
+  assert m.num_beams == BEAMS
+  texts = m.generate(TEXTS, method="beam")
+  assert texts == model.generate(TEXTS, max_decode_length=DECODE, method="beam",
+                                 num_decodes=BEAMS)
+  greedy = model.generate(TEXTS, max_decode_length=DECODE)
+  assert sum(a != b for a, b in zip(texts, greedy)) >= 3
+  tokens = live[0][:4]
+  got, scores = m.run("beam", tokens, decode_length=DECODE, alpha=0.6)
+  want, want_scores = model.predict(tokens, DECODE, method="beam", num_decodes=BEAMS)
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_allclose(scores, want_scores, rtol=1e-5, atol=1e-5)
+
+
+def test_beam_alpha_is_a_runtime_argument(enc_dec, tmp_path):
+  """One exported beam function at two alphas gives the live beam text of each. The
+  random model seldom ends a row, and alpha ranks finished beams only: its EOS logit is
+  scaled up so that beams end at different lengths."""
+  import jax
+  from t5forge.export import writer as export
+  _, live_model, _ = enc_dec
+  params = jax.tree_util.tree_map(lambda x: x, live_model.params)  # a new tree, same arrays
+  kernel = params["decoder"]["logits_dense"]["kernel"]
+  params["decoder"]["logits_dense"]["kernel"] = kernel.at[:, 1].multiply(4.0)
+  model = t5forge.Model(live_model.config, params, vocabulary=live_model.vocabulary)
+  out = str(tmp_path / "beam")
+  export.export_jax(model.model, model.params, model.vocabulary, out,
+                    shapes=[export.Shape(4, 24, DECODE)], methods=("beam",), num_beams=BEAMS,
+                    log=lambda _: None)
+  m = exported.ExportedModel(out)
+  got = {a: m.generate(TEXTS, method="beam", alpha=a) for a in (0.0, 2.0)}
+  for a, texts in got.items():
+    assert texts == model.generate(TEXTS, max_decode_length=DECODE, method="beam",
+                                   num_decodes=BEAMS, alpha=a), a
+  assert got[0.0] != got[2.0]
+
+
+def test_portable_top_k_is_lax_top_k():
+  """The SavedModel's beam search takes its top-k from reductions: the same values and
+  indices as lax.top_k, ties (here every value twice, and -inf) lower index first."""
+  import jax
+  from t5forge import decoding
+  x = np.random.default_rng(0).standard_normal((3, 4, 10)).astype(np.float32)
+  x = np.concatenate([x, x, np.full((3, 4, 5), -np.inf, np.float32)], axis=-1)
+  for k in (1, 7, 25):
+    want, got = jax.lax.top_k(x, k), decoding.portable_top_k(x, k)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
 
 
 def test_changed_file_is_refused_in_one_line(enc_dec, tmp_path):
@@ -287,10 +345,14 @@ def test_decoder_only_export(tmp_path_factory):
   ckpt, model = _checkpoint(tmp_path_factory, "decoder_only.tiny")
   out = str(tmp_path_factory.mktemp("export") / "dec")
   _export(ckpt, out, "--batch_sizes", "2", "--input_lengths", "32", "--decode_lengths",
-          str(DECODE))
+          str(DECODE), "--methods", "greedy,beam")
   m = exported.ExportedModel(out)
+  assert m.num_beams == 4  # --num_beams' default
   assert m.generate(TEXTS[:3], max_new_tokens=DECODE) == model.generate(
       TEXTS[:3], max_decode_length=DECODE)
+  # Beam search continuing a prompt (forced tokens keep one beam alive, as T5X).
+  assert m.generate(TEXTS[:3], method="beam", alpha=1.0) == model.generate(
+      TEXTS[:3], max_decode_length=DECODE, method="beam", num_decodes=4, alpha=1.0)
 
 
 def test_hf_format_loads_in_transformers(enc_dec, live, tmp_path):
@@ -323,9 +385,9 @@ def test_bad_flags_one_line(enc_dec, tmp_path):
   assert "--batch_sizes '1,x': give comma-separated integers" in error_line(
       _cli("export", "--checkpoint", ckpt, "--output", out, "--format", "jax",
            "--batch_sizes", "1,x"))
-  assert "--methods: unknown method 'beam'" in error_line(
+  assert "--methods: unknown method 'topk'" in error_line(
       _cli("export", "--checkpoint", ckpt, "--output", out, "--format", "jax",
-           "--methods", "greedy,beam"))
+           "--methods", "greedy,topk"))
   assert "--platforms: unknown platform(s) ['gpu']" in error_line(
       _cli("export", "--checkpoint", ckpt, "--output", out, "--format", "jax",
            "--platforms", "cpu,gpu"))

@@ -1,6 +1,6 @@
 """`t5forge export --format saved_model`: TensorFlow's own `tf.saved_model.load` runs the
 exported signatures and gives the live model's greedy text for 8 prompts at several batch
-sizes through one batch-polymorphic signature; the warm-up file parses as TF Serving's
+sizes through one batch-polymorphic signature, and its beam text; the warm-up file parses as TF Serving's
 PredictionLog and names real signatures; bad flags and a missing TensorFlow are one line;
 `import t5forge` and the CLI's main do not import TensorFlow."""
 import os
@@ -21,13 +21,15 @@ from t5forge.export import saved_model as sm
 from t5forge.export import writer
 from train_helpers import ROOT, error_line
 
-pytestmark = pytest.mark.slow  # imports TensorFlow and converts four decode loops
+pytestmark = pytest.mark.slow  # imports TensorFlow and converts six decode loops
 
 SPM = os.path.join(os.path.dirname(bundled_tasks.__file__), "bundled", "bible_en_es_8k.model")
 TEXTS = ["In the beginning God created the heaven and the earth.", "hello world", "a",
          "And God said, Let there be light: and there was light.", "Y dijo Dios",
          "And the evening and the morning were the first day.", "translate: water", "luz"]
 DECODE = 16
+BEAMS = 3  # not the default 4: the flag must reach the compiled loop
+METHODS = ("greedy", "sample", "beam")
 INPUT_LENGTHS = (24, 64)
 # 3 and 8: the batch sizes the first test compiles greedy_i24_l16 at, so running that
 # signature's warm-up requests here compiles nothing more.
@@ -46,7 +48,8 @@ def exported(tmp_path_factory):
   assert export_cli.main([
       "--checkpoint", ckpt, "--output", out, "--format", "saved_model",
       "--input_lengths", ",".join(map(str, INPUT_LENGTHS)), "--decode_lengths", str(DECODE),
-      "--batch_sizes", ",".join(map(str, WARMUP_BATCHES)), "--methods", "greedy,sample"]) == 0
+      "--batch_sizes", ",".join(map(str, WARMUP_BATCHES)), "--methods", ",".join(METHODS),
+      "--num_beams", str(BEAMS)]) == 0
   import tensorflow as tf
   return types.SimpleNamespace(model=model, ckpt=ckpt, out=out, tf=tf,
                                loaded=tf.saved_model.load(out))
@@ -97,18 +100,19 @@ def test_tf_load_gives_live_greedy_text_at_two_batch_sizes(exported, live):
 
 def test_layout_and_manifest(exported):
   out, loaded = exported.out, exported.loaded
-  names = [sm.signature_name(m, i, DECODE) for m in ("greedy", "sample") for i in INPUT_LENGTHS]
+  names = [sm.signature_name(m, i, DECODE) for m in METHODS for i in INPUT_LENGTHS]
   assert sorted(loaded.signatures) == sorted(names + ["serving_default"])
   m = sm.SavedModelRunner(out).manifest
-  assert m["default_signature"] == "greedy_i64_l16"
+  assert m["default_signature"] == "greedy_i64_l16" and m["num_beams"] == BEAMS
   assert [s["name"] for s in m["signatures"]] == names
   with open(os.path.join(out, "assets", "spiece.model"), "rb") as f:
     assert f.read() == exported.model.vocabulary.processor.serialized_model_proto()
-  # The weights are variables, stored once: not one constant copy per signature.
+  # The weights are variables, stored once: not one constant copy per signature (the
+  # graph, six decode loops, is smaller than one float32 copy of the weights).
   flat = writer.flatten_params(exported.model.params)
   assert sorted(loaded.params) == sorted(flat)
   assert all(isinstance(v, exported.tf.Variable) for v in loaded.params.values())
-  assert os.path.getsize(os.path.join(out, "saved_model.pb")) < m["model"]["num_parameters"]
+  assert os.path.getsize(os.path.join(out, "saved_model.pb")) < 4 * m["model"]["num_parameters"]
   assert not os.path.exists(out + ".tmp-t5forge")
 
 
@@ -179,7 +183,7 @@ def test_warmup_requests_parse_with_tensorflow_and_run(exported):
       assert fn(**args)["tokens"].shape == (b, DECODE)
     seen.append((name, b, args["inputs"].shape[1]))
   assert sorted(seen) == sorted(
-      (sm.signature_name(m, i, DECODE), b, i) for m in ("greedy", "sample")
+      (sm.signature_name(m, i, DECODE), b, i) for m in METHODS
       for i in INPUT_LENGTHS for b in WARMUP_BATCHES)
 
 
@@ -203,6 +207,22 @@ def test_sample_signature_matches_live_sampling(exported, live):
   assert not np.array_equal(mixed[[1, 3]], tokens[[1, 3]])
 
 
+def test_beam_signature_matches_live_beam(exported, live):
+  """The beam signature (3 beams, the CLI's --num_beams) at batch 8 gives the live model's
+  beam tokens, scores and text; most rows differ from greedy."""
+  tf, model = exported.tf, exported.model
+  x, greedy, _ = live
+  out = exported.loaded.signatures["beam_i24_l16"](
+      inputs=tf.constant(x), max_new_tokens=tf.constant(np.full(len(x), DECODE, np.int32)),
+      alpha=tf.constant(np.float32(0.6)))
+  tokens, scores = model.predict(x, DECODE, method="beam", num_decodes=BEAMS, alpha=0.6)
+  np.testing.assert_array_equal(out["tokens"].numpy(), tokens)
+  np.testing.assert_allclose(out["scores"].numpy(), scores, rtol=1e-5, atol=1e-5)
+  assert sum(not np.array_equal(a, b) for a, b in zip(tokens, greedy)) >= 4
+  texts = model.generate(TEXTS, max_decode_length=DECODE, method="beam", num_decodes=BEAMS)
+  assert sm.SavedModelRunner(exported.out).generate(TEXTS, DECODE, method="beam") == texts
+
+
 def _main_error(*argv) -> str:
   with pytest.raises(UserError) as e:
     export_cli.main(list(argv))
@@ -214,8 +234,18 @@ def test_bad_flags_and_missing_tensorflow_are_one_line(exported, tmp_path, monke
   ckpt = exported.ckpt
   out = str(tmp_path / "x")
   base = ["--checkpoint", ckpt, "--output", out]
-  assert _main_error(*base, "--format", "saved_model", "--methods", "greedy,beam") == (
-      "--methods: unknown method 'beam'; choose from greedy, sample")
+  assert _main_error(*base, "--format", "saved_model", "--methods", "greedy,topk") == (
+      "--methods: unknown method 'topk'; choose from greedy, sample, beam")
+  assert _main_error(*base, "--format", "saved_model", "--num_beams", "3") == (
+      "--num_beams 3 applies to beam search only; add beam to --methods or drop --num_beams")
+  assert _main_error(*base, "--format", "jax", "--methods", "greedy,beam",
+                     "--num_beams", "1") == (
+      "--num_beams 1: beam search needs >= 2 beams (one beam is greedy: export --methods "
+      "greedy)")
+  assert _main_error(*base, "--format", "jax", "--methods", "beam", "--num_beams", "x") == (
+      "--num_beams 'x': give an integer >= 2, e.g. --num_beams 4")
+  assert _main_error(*base, "--format", "hf", "--num_beams", "4") == (
+      "--num_beams apply to --format jax and saved_model only, not hf")
   assert _main_error(*base, "--format", "saved_model", "--input_lengths", "0").startswith(
       "--input_lengths '0': give integers >= 1")
   assert _main_error(*base, "--format", "tf").startswith(
@@ -234,6 +264,10 @@ def test_bad_flags_and_missing_tensorflow_are_one_line(exported, tmp_path, monke
                      r"length 16; exported \(input, decode\) lengths: \[\(24, 16\), \(64, 16\)\]"):
     sm.SavedModelRunner(exported.out).run(np.ones((1, 70), np.int32), DECODE)
   runner = sm.SavedModelRunner(exported.out)
+  with pytest.raises(UserError) as e:
+    runner.generate(["a"], 4, method="contrastive")
+  assert str(e.value) == ("method 'contrastive' was not exported (this SavedModel has beam, "
+                          "greedy, sample); choose from greedy, sample, beam")
   with pytest.raises(UserError, match=r"ids outside \[0, 8192\): min 1, max 9000"):
     runner.run(np.array([[9000, 1]]), 4)
   with pytest.raises(UserError, match="max_new_tokens must be >= 1, got 0"):

@@ -228,7 +228,7 @@ def test_exported_directory_serves_the_same_texts(ckpt, client, tmp_path):
   r = subprocess.run([sys.executable, "-m", "t5forge", "export", "--checkpoint", ckpt,
                       "--output", out, "--format", "jax", "--batch_sizes", "1,4",
                       "--input_lengths", "32", "--decode_lengths", str(MAX_TOKENS),
-                      "--methods", "greedy"], cwd=ROOT, capture_output=True, text=True,
+                      "--methods", "greedy,beam"], cwd=ROOT, capture_output=True, text=True,
                      timeout=600)
   assert r.returncode == 0, r.stderr[-3000:]
   srv = sh.Server(out, "--max_batch_size", "4", "--batch_buckets", "1,4")
@@ -241,6 +241,10 @@ def test_exported_directory_serves_the_same_texts(ckpt, client, tmp_path):
     assert status == 200 and [c["text"] for c in body["choices"]] == want, body
     status, _, body = sh.request(srv.url, "/v1/completions", {"prompt": "x", "temperature": 0.7})
     assert status == 400 and body["error"]["param"] == "temperature", body
+    # Its beam functions give the best beam only; a served beam request wants num_beams.
+    status, _, body = sh.request(srv.url, "/v1/completions", {"prompt": "x", "num_beams": 4})
+    assert status == 400 and body["error"]["param"] == "num_beams", body
+    assert "(num_beams=4) returns the best beam only" in body["error"]["message"], body
     status, _, body = sh.request(srv.url, "/v1/score", {"prompt": "x", "targets": "y"})
     assert status == 400 and body["error"]["code"] == "unsupported", body
     status, _, body = sh.request(srv.url, "/v1/embeddings", {"input": "x"})

@@ -8,7 +8,11 @@
     cd DIR && pip install -r requirements.txt     # where t5forge is not installed
     python -c "import load_exported as le; print(le.ExportedModel('.').generate(['...']))"
 
-or serve it: `t5forge serve --checkpoint DIR`.
+or serve it: `t5forge serve --checkpoint DIR` (greedy and sample requests).
+
+`--methods beam` (either format) also exports T5X's beam search with `--num_beams N` beams
+(default 4; compiled in) and a per-call `alpha`, returning the best beam and its score:
+`ExportedModel(DIR).generate([...], method="beam", alpha=0.6)`.
 
 --format saved_model (the `t5forge[tf]` extra) converts the same generate functions with
 jax2tf into a TensorFlow SavedModel for TF Serving / Vertex AI: one batch-polymorphic
@@ -56,8 +60,11 @@ def main(argv: list[str]) -> int:
                          f"BOS); default {_JAX_DEFAULTS['input_lengths']}")
   jax_flags.add_argument("--decode_lengths", help=f"new tokens; default "
                          f"{_JAX_DEFAULTS['decode_lengths']}")
-  jax_flags.add_argument("--methods", help="greedy and/or sample (per-row temperature, top-p, "
-                         f"seed); default {_JAX_DEFAULTS['methods']}")
+  jax_flags.add_argument("--methods", help="greedy, sample (per-row temperature, top-p, "
+                         "seed) and/or beam (per-call alpha; the best beam); default "
+                         f"{_JAX_DEFAULTS['methods']}")
+  jax_flags.add_argument("--num_beams", help="beam size of --methods beam, fixed "
+                         "in the compiled loop (default 4)")
   jax_flags.add_argument("--dtype", help="activation dtype: float32 (default: the "
                          "checkpoint's) or bfloat16")
   jax_flags.add_argument("--platforms", help="jax.export / jax2tf platforms, e.g. cpu,cuda "
@@ -65,7 +72,8 @@ def main(argv: list[str]) -> int:
   args = parser.parse_args(argv)
 
   if args.format == "hf":
-    given = [f"--{k}" for k in (*_JAX_DEFAULTS, "dtype", "platforms") if getattr(args, k)]
+    given = [f"--{k}" for k in (*_JAX_DEFAULTS, "dtype", "platforms", "num_beams")
+             if getattr(args, k) is not None]
     if given:
       raise UserError(f"{', '.join(given)} apply to --format jax and saved_model only, not hf")
     from t5forge.cli import convert  # noqa: PLC0415 (after the flags parse: --help stays fast)
@@ -90,9 +98,13 @@ def main(argv: list[str]) -> int:
 
   from t5forge.opener import open_checkpoint  # noqa: PLC0415 (after the flags parse: --help stays fast)
   from t5forge.export import writer as export  # noqa: PLC0415 (after the flags parse: --help stays fast)
-  for m in methods:
-    if m not in export.METHODS:
-      raise UserError(f"--methods: unknown method {m!r}; choose from {', '.join(export.METHODS)}")
+  try:
+    given_beams = None if args.num_beams is None else int(args.num_beams)
+  except ValueError:
+    raise UserError(f"--num_beams {args.num_beams!r}: give an integer >= 2, e.g. "
+                    "--num_beams 4") from None
+  num_beams = export.check_methods(methods, given_beams)
+  shown = ", ".join(f"beam with {num_beams} beams" if m == "beam" else m for m in methods)
   export.check_output(args.output)
   if args.format == "saved_model":
     from t5forge.export import saved_model  # noqa: PLC0415 (the [tf] extra, imported on use)
@@ -107,9 +119,9 @@ def main(argv: list[str]) -> int:
     manifest = saved_model.export_saved_model(
         opened.model, opened.params, vocab, args.output, input_lengths=input_lengths,
         decode_lengths=decode_lengths, warmup_batch_sizes=batch_sizes, methods=methods,
-        platforms=platforms, source=opened.identity())
+        num_beams=num_beams, platforms=platforms, source=opened.identity())
     n = len(manifest["signatures"])
-    print(f"wrote a SavedModel with {n} signature{'s' if n != 1 else ''} ({', '.join(methods)}; "
+    print(f"wrote a SavedModel with {n} signature{'s' if n != 1 else ''} ({shown}; "
           f"input lengths {input_lengths}, decode lengths {decode_lengths}; symbolic batch; "
           f"default {manifest['default_signature']}), {manifest['warmup']['requests']} warm-up "
           f"requests (batch sizes {batch_sizes}) and "
@@ -120,9 +132,9 @@ def main(argv: list[str]) -> int:
             for l in decode_lengths]
   manifest = export.export_jax(
       opened.model, opened.params, vocab, args.output, shapes=shapes, methods=methods,
-      platforms=platforms, source=opened.identity())
+      num_beams=num_beams, platforms=platforms, source=opened.identity())
   n = len(manifest["functions"])
-  print(f"wrote {n} function{'s' if n != 1 else ''} ({', '.join(methods)}; batch sizes "
+  print(f"wrote {n} function{'s' if n != 1 else ''} ({shown}; batch sizes "
         f"{batch_sizes}, input lengths {input_lengths}, decode lengths {decode_lengths}) and "
         f"{manifest['model']['num_parameters']:,} parameters to {args.output} in "
         f"{time.perf_counter() - start:.1f}s")

@@ -10,11 +10,14 @@ runs where t5forge is not installed:
     m = load_exported.ExportedModel("exported/")       # checks every file's sha256
     m.generate(["translate English to German: Hello"], max_new_tokens=32)   # -> [str]
     m.generate(np.array([[37, 8, 1]]), max_new_tokens=32)                  # -> tokens [b, l]
+    m.generate(["..."], method="beam", alpha=0.6)   # if exported with --methods beam
 
 Each call picks the smallest exported shape that fits (batch, input length, decode
 length), pads to it, and splits batches larger than the largest exported batch.
 `ExportedGenerator` wraps a model with the part of `t5forge.generation.Generator`'s
-interface that `t5forge serve` uses (greedy and, if exported, sampling; n = 1).
+interface that `t5forge serve` uses (greedy and, if exported, sampling; n = 1). Beam
+search (`--methods beam`, `num_beams` in the manifest) returns the best beam only, so it
+runs from `ExportedModel`, and `t5forge serve` refuses num_beams over an export.
 
 Shape letters: b batch, i input length, l decode length, n decodes per input.
 """
@@ -119,6 +122,7 @@ class ExportedModel:
     manifest: the parsed manifest.json.
     vocabulary: a `Vocabulary`, or None when the artifact has none (token ids only).
     eos_id, pad_id, is_encoder_decoder, methods.
+    num_beams: the beam functions' beam size, or None when beam search was not exported.
   """
 
   def __init__(self, path: str, *, verify: bool = True):
@@ -157,6 +161,7 @@ class ExportedModel:
     self.is_encoder_decoder = bool(m["model"]["is_encoder_decoder"])
     self.functions = m["functions"]
     self.methods = tuple(sorted({f["method"] for f in self.functions}))
+    self.num_beams = m.get("num_beams")
     self._loaded: dict[str, object] = {}
 
   def __repr__(self) -> str:
@@ -176,8 +181,8 @@ class ExportedModel:
     that has the smallest batch >= `batch` (else the largest batch: the call is split)."""
     own = [f for f in self.functions if f["method"] == method]
     if not own:
-      fix = (f"re-export with --methods {method}" if method in ("greedy", "sample") else
-             "an export runs greedy or sample")
+      fix = (f"re-export with --methods {method}" if method in ("greedy", "sample", "beam")
+             else "an export runs greedy, sample or beam")
       raise ExportError(f"method {method!r} was not exported (this artifact has "
                         f"{', '.join(self.methods)}); {fix}")
     fits = [f for f in own if f["input_length"] >= input_length
@@ -193,20 +198,23 @@ class ExportedModel:
     return min(fits, key=lambda f: (-f["batch"], f["input_length"], f["decode_length"]))
 
   def run(self, method: str, inputs: np.ndarray, *, decode_length: int,
-          max_new_tokens=None, temperature=1.0, topp=0.0,
-          seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+          max_new_tokens=None, temperature=1.0, topp=0.0, seed: int = 0,
+          alpha: float = 0.6) -> tuple[np.ndarray, np.ndarray]:
     """Decodes model-ready tokens.
 
     Args:
-      method: 'greedy' or 'sample'.
+      method: 'greedy', 'sample' or 'beam' (`num_beams` beams, the best returned).
       inputs: [b, i] int: encoder tokens ending in EOS, 0-padded (encoder-decoder), or
         [0 (BOS), prompt..., 0 padding] (decoder-only).
       decode_length: l, the output length.
       max_new_tokens: scalar or [b]: stop each row after this many tokens (<= l).
       temperature, topp: scalar or [b] (sampling only); seed: sampling seed.
+      alpha: beam search's brevity-penalty exponent, one for the call (T5X's
+        ((5 + length) / 6) ** alpha; 0 ranks by plain log-prob).
 
     Returns:
-      tokens [b, l] int32 (0 after EOS or the step limit), scores [b] float32.
+      tokens [b, l] int32 (0 after EOS or the step limit), scores [b] float32 (beam: the
+      best beam's log-prob over its brevity penalty).
     """
     x = np.asarray(inputs)
     if x.ndim != 2 or not np.issubdtype(x.dtype, np.integer):
@@ -245,6 +253,8 @@ class ExportedModel:
         ts[:rows], ps[:rows] = temps[start:start + rows], topps[start:start + rows]
         # The seed is a uint32 argument; a chunk after the first draws with its own.
         args += [ts, ps, np.uint32((int(seed) + start) % (1 << 32))]
+      elif method == "beam":
+        args.append(np.float32(alpha))
       try:
         t, s = fn.call(*args)
       except ValueError as e:
@@ -263,7 +273,8 @@ class ExportedModel:
     return encode_rows(texts, self.vocabulary, self.eos_id, self.is_encoder_decoder)
 
   def generate(self, inputs, max_new_tokens: int | None = None, *, method: str = "greedy",
-               temperature: float = 1.0, topp: float = 0.0, seed: int = 0):
+               temperature: float = 1.0, topp: float = 0.0, seed: int = 0,
+               alpha: float = 0.6):
     """Strings in, strings out; or model-ready tokens [b, i] in, new tokens [b, l] out.
 
     Args:
@@ -271,7 +282,8 @@ class ExportedModel:
         array [b, i] as `run` takes.
       max_new_tokens: decode length l (an exported decode length >= l is used); default
         the largest exported decode length.
-      method, temperature, topp, seed: 'greedy', or 'sample' with those options.
+      method, temperature, topp, seed, alpha: 'greedy', 'sample' with temperature, topp
+        and seed, or 'beam' (the best of `num_beams` beams) with alpha.
     """
     if isinstance(inputs, str):
       raise ExportError("generate() takes a list of strings; wrap a single text in a list")
@@ -281,7 +293,7 @@ class ExportedModel:
       self.pick(method, 1, 1, 1)  # the error when the method was not exported
       max_new_tokens = max(f["decode_length"] for f in self.functions if f["method"] == method)
     tokens, _ = self.run(method, arr, decode_length=max_new_tokens, temperature=temperature,
-                         topp=topp, seed=seed)
+                         topp=topp, seed=seed, alpha=alpha)
     if not texts:
       return tokens
     return [self.vocabulary.decode(text_ids(row, self.stop_ids, self.eos_id))
@@ -290,7 +302,7 @@ class ExportedModel:
 @dataclasses.dataclass(frozen=True)
 class Kind:
   """What changes compiled code (the fields of t5forge.generation.Kind): requests of one
-  Kind batch together. An export runs method 'greedy' or 'sample' with n = 1 only."""
+  Kind batch together. An export serves method 'greedy' or 'sample' with n = 1 only."""
   method: str = "greedy"
   num_decodes: int = 1
   topk: int = 0
@@ -312,8 +324,10 @@ class Generated:
 class ExportedGenerator:
   """`t5forge.generation.Generator`'s serving interface over an exported artifact.
 
-  Greedy (and sampling, if exported) with one decode per input; beams, n > 1, top-k,
-  per-token log-probs and scoring raise ExportError naming what is missing.
+  Greedy (and sampling, if exported) with one decode per input; beams (an exported beam
+  function returns the best beam only, and a served beam request wants all num_beams of
+  them), n > 1, top-k, per-token log-probs and scoring raise ExportError naming what is
+  missing.
   """
 
   def __init__(self, model: ExportedModel | str):
@@ -330,8 +344,14 @@ class ExportedGenerator:
     """The method to run for `kind`; ExportError (a ValueError) naming what this export
     cannot do (n or beams, top_k, logprobs, a method it lacks)."""
     method = getattr(kind, "method", "greedy")
+    if method == "beam":
+      what = (f"its beam search (num_beams={self.exported.num_beams}) returns the best beam "
+              "only, from the Python loader" if self.exported.num_beams else
+              "it has no beam search")
+      raise ExportError(f"num_beams is not served from an exported model: {what}; serve the "
+                        "checkpoint for num_beams")
     if getattr(kind, "num_decodes", 1) != 1:
-      raise ExportError(f"an exported model gives one decode per input (n / num_beams = "
+      raise ExportError(f"an exported model gives one decode per input (n = "
                         f"{kind.num_decodes}); serve the checkpoint for more")
     if getattr(kind, "topk", 0):
       raise ExportError("top_k is not available from an exported model (only top_p); serve "
@@ -352,10 +372,10 @@ class ExportedGenerator:
 
     With stream=True, on_chunk(tokens, lengths, finished) is called once, at the end (the
     exported loop runs whole)."""
-    del alpha  # beam search only, which an export does not have
+    del alpha  # beam search only, which check_kind refuses here
     if min_log_prob is not None:
       raise ExportError("min_log_prob applies to beam search, which an exported model does "
-                        "not have; serve the checkpoint for num_beams")
+                        "not serve; serve the checkpoint for num_beams")
     method = self.check_kind(kind)
     b = np.asarray(inputs).shape[0]
     steps = np.broadcast_to(np.asarray(max_new_tokens, np.int32), (b,))

@@ -20,6 +20,7 @@ Signatures, one per (method, input length i, decode length l), named `<method>_i
 
     greedy: inputs [b, i] int32, max_new_tokens [b] int32 -> tokens [b, l] int32, scores [b] float32
     sample: + temperature [b] float32, topp [b] float32, seed [] uint32
+    beam:   + alpha [] float32 (the best of `num_beams` beams, as writer.generate_fn's)
 
 b is symbolic. `inputs` are token ids laid out as `loader.encode_rows` writes them
 (encoder tokens ending in EOS, 0-padded; decoder-only: [0 (BOS), prompt..., 0...]).
@@ -119,6 +120,8 @@ def _warmup_arrays(method: str, batch: int, input_length: int, decode_length: in
   if method == "sample":
     arrays.update(temperature=np.ones((batch,), np.float32),
                   topp=np.zeros((batch,), np.float32), seed=np.uint32(0))
+  if method == "beam":
+    arrays.update(alpha=np.float32(0.6))
   return arrays
 
 
@@ -134,9 +137,9 @@ def _tensor_specs(tf, method: str, input_length: int) -> list:
 
 def _polymorphic_shapes(method: str) -> list:
   """One entry per argument of `writer.generate_fn`: params fixed, every [b, ...] array
-  with the symbolic batch b, the sampling seed a scalar."""
-  per_row = ["(b, _)", "(b,)"] + (["(b,)", "(b,)", None] if method == "sample" else [])
-  return [None, *per_row]
+  with the symbolic batch b, the sampling seed and beam alpha scalars."""
+  extra = {"sample": ["(b,)", "(b,)", None], "beam": [None]}.get(method, [])
+  return [None, "(b, _)", "(b,)", *extra]
 
 
 def _serving_fn(method: str, converted, variables: dict):
@@ -148,6 +151,12 @@ def _serving_fn(method: str, converted, variables: dict):
       return {"tokens": tokens, "scores": scores}
     return greedy
 
+  if method == "beam":
+    def beam(inputs, max_new_tokens, alpha):
+      tokens, scores = converted(dict(variables), inputs, max_new_tokens, alpha)
+      return {"tokens": tokens, "scores": scores}
+    return beam
+
   def sample(inputs, max_new_tokens, temperature, topp, seed):
     tokens, scores = converted(dict(variables), inputs, max_new_tokens, temperature, topp,
                                seed)
@@ -158,8 +167,8 @@ def _serving_fn(method: str, converted, variables: dict):
 def export_saved_model(model, params: dict, vocab, out_dir: str, *,
                        input_lengths: list[int], decode_lengths: list[int],
                        warmup_batch_sizes: list[int], methods: tuple[str, ...] = ("greedy",),
-                       platforms: tuple[str, ...] | None = None, source: dict | None = None,
-                       log=print) -> dict:
+                       num_beams: int | None = None, platforms: tuple[str, ...] | None = None,
+                       source: dict | None = None, log=print) -> dict:
   """Exports `model`'s generate functions with `params` and `vocab` as a SavedModel.
 
   Args:
@@ -169,7 +178,8 @@ def export_saved_model(model, params: dict, vocab, out_dir: str, *,
     out_dir: a directory to create (must not exist or be empty).
     input_lengths, decode_lengths: one signature per (method, i, l).
     warmup_batch_sizes: the batch sizes of the warm-up requests (the batch is symbolic).
-    methods: 'greedy' and/or 'sample'.
+    methods: any of 'greedy', 'sample', 'beam'.
+    num_beams: beam search's beam size (with 'beam' only; default 4).
     platforms: where the serialized StableHLO may run, e.g. ('cpu', 'cuda'); default this
       machine's backend.
     source: provenance to record (checkpoint path, format, step).
@@ -179,10 +189,7 @@ def export_saved_model(model, params: dict, vocab, out_dir: str, *,
   """
   tf = import_tensorflow()
   from jax.experimental import jax2tf  # noqa: PLC0415 (imports tensorflow)
-  for m in methods:
-    if m not in writer.METHODS:
-      raise UserError(f"--methods: unknown method {m!r}; choose from "
-                      f"{', '.join(writer.METHODS)}")
+  num_beams = writer.check_methods(methods, num_beams)
   config = model.config
   writer.check_shapes([writer.Shape(b, i, l) for b in warmup_batch_sizes for i in input_lengths
                        for l in decode_lengths], config, vocab)
@@ -207,7 +214,9 @@ def export_saved_model(model, params: dict, vocab, out_dir: str, *,
     # Native serialization is jax2tf's only mode in jax 0.10 (its `native_serialization`
     # argument is deprecated and ignored), so it is not passed.
     converted = jax2tf.convert(
-        writer.generate_fn(model, method, l), polymorphic_shapes=_polymorphic_shapes(method),
+        writer.generate_fn(model, method, l, num_beams or writer.DEFAULT_NUM_BEAMS,
+                           for_tensorflow=True),
+        polymorphic_shapes=_polymorphic_shapes(method),
         with_gradient=False, native_serialization_platforms=platforms)
     fn = tf.function(_serving_fn(method, converted, module.params),
                      input_signature=_tensor_specs(tf, method, i), autograph=False)
@@ -252,6 +261,7 @@ def export_saved_model(model, params: dict, vocab, out_dir: str, *,
                   "num_parameters": int(sum(v.size for v in flat.values()))},
         "source": source or {},
         "eos_id": eos, "eos_ids": list(dict.fromkeys([eos] + stops)), "pad_id": 0,
+        "num_beams": num_beams,  # the beam signatures' beam size; None without beam
         "vocabulary": vocab_entry,
         "platforms": list(platforms) if platforms else [jax.default_backend()],
         "signatures": entries, "default_signature": default["name"],
@@ -299,6 +309,12 @@ class SavedModelRunner:
   def pick(self, method: str, input_length: int, decode_length: int) -> dict:
     """The signature of `method` with the smallest input, then decode, length that fit."""
     own = [s for s in self.manifest["signatures"] if s["method"] == method]
+    if not own:
+      have = sorted({s["method"] for s in self.manifest["signatures"]})
+      fix = (f"re-export with --methods {method}" if method in writer.METHODS else
+             f"choose from {', '.join(writer.METHODS)}")
+      raise UserError(f"method {method!r} was not exported (this SavedModel has "
+                      f"{', '.join(have)}); {fix}")
     fits = [s for s in own if s["input_length"] >= input_length
             and s["decode_length"] >= decode_length]
     if not fits:
@@ -309,9 +325,10 @@ class SavedModelRunner:
     return min(fits, key=lambda s: (s["input_length"], s["decode_length"]))
 
   def run(self, inputs: np.ndarray, max_new_tokens: int, *, method: str = "greedy",
-          temperature: float = 1.0, topp: float = 0.0,
-          seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Model-ready tokens [b, i] -> new tokens [b, max_new_tokens] int32, scores [b]."""
+          temperature: float = 1.0, topp: float = 0.0, seed: int = 0,
+          alpha: float = 0.6) -> tuple[np.ndarray, np.ndarray]:
+    """Model-ready tokens [b, i] -> new tokens [b, max_new_tokens] int32, scores [b]
+    (temperature, topp, seed: method 'sample'; alpha: 'beam', the best beam's)."""
     x = np.asarray(inputs)
     if x.ndim != 2 or not np.issubdtype(x.dtype, np.integer):
       raise UserError(f"inputs must be integer tokens [batch, length], got {x.dtype} with "
@@ -334,6 +351,8 @@ class SavedModelRunner:
       args.update(temperature=tf.constant(np.full((b,), temperature, np.float32)),
                   topp=tf.constant(np.full((b,), topp, np.float32)),
                   seed=tf.constant(np.uint32(seed)))
+    if method == "beam":
+      args.update(alpha=tf.constant(np.float32(alpha)))
     try:
       out = self.model.signatures[entry["name"]](**args)
     except tf.errors.NotFoundError as e:

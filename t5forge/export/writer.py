@@ -14,7 +14,8 @@ The artifact directory holds:
 - `requirements.txt`: the packages the loader needs (`pip install -r requirements.txt`),
   pinned as t5forge pins them: jax, jaxlib, numpy, safetensors, sentencepiece, and
   flatbuffers, which jax.export imports to deserialize but jax does not install;
-- `manifest.json`: format version, model summary, eos / pad ids, the functions with their
+- `manifest.json`: format version, model summary, eos / pad ids, the beam size `num_beams`
+  (null without beam), the functions with their
   shapes, argument and output specs and files, the parameter names / shapes / dtypes, the
   jax version, and the sha256 of every other file.
 
@@ -24,6 +25,15 @@ Function signatures (shape letters as in docs/shapes.md; every argument position
         -> tokens [b, l] int32, scores [b] float32
     sample(params, inputs, max_new_tokens, temperature [b] float32, topp [b] float32,
            seed [] uint32) -> tokens [b, l] int32, scores [b] float32
+    beam(params, inputs, max_new_tokens, alpha [] float32)
+        -> tokens [b, l] int32, scores [b] float32
+
+`beam` is T5X's beam search with `num_beams` beams (fixed at export: the manifest's
+`num_beams`) and brevity-penalty exponent `alpha`; it returns the best beam only, with its
+penalised score, as `interactive.Model.predict(..., method="beam")` does without
+return_all_decodes. One output contract for every method keeps the loader and the
+SavedModel signatures alike; the other beams would serve only n > 1, which an export does
+not serve.
 
 `params` is the flat dict {name: array} of params.safetensors. `inputs` are as
 `interactive.Model.predict` takes them: encoder tokens ending in EOS, 0-padded
@@ -53,7 +63,8 @@ from t5forge.export import loader
 
 FORMAT = "t5forge-jax-export"
 FORMAT_VERSION = 1
-METHODS = ("greedy", "sample")
+METHODS = ("greedy", "sample", "beam")
+DEFAULT_NUM_BEAMS = 4
 PARAMS_FILE = "params.safetensors"
 VOCAB_FILE = "spiece.model"
 LOADER_FILE = "load_exported.py"
@@ -102,27 +113,45 @@ def unflatten_params(flat: dict) -> dict:
   return tree
 
 
-def generate_fn(model, method: str, decode_length: int):
-  """The function that is exported: params (flat dict) + arrays -> (tokens, scores)."""
+def generate_fn(model, method: str, decode_length: int, num_beams: int = DEFAULT_NUM_BEAMS,
+                *, for_tensorflow: bool = False):
+  """The function that is exported: params (flat dict) + arrays -> (tokens [b, l] int32,
+  scores [b] float32); its arguments after params are `arg_specs(method, ...)`.
+
+  for_tensorflow: beam search takes its top-k with `decoding.portable_top_k` (the same
+  result), as TensorFlow's XlaCallModule cannot read what `lax.top_k` serializes to."""
+
+  def features(inputs):
+    if model.config.is_encoder_decoder:
+      return {"encoder_input_tokens": inputs,
+              "decoder_input_tokens": jnp.zeros((inputs.shape[0], decode_length), jnp.int32)}
+    return {"decoder_input_tokens": inputs}
 
   def run(flat_params, inputs, max_new_tokens, temperature, topp, seed):
-    params = unflatten_params(flat_params)
-    if model.config.is_encoder_decoder:
-      batch = {"encoder_input_tokens": inputs,
-               "decoder_input_tokens": jnp.zeros((inputs.shape[0], decode_length), jnp.int32)}
-    else:
-      batch = {"decoder_input_tokens": inputs}
     options = {"temperature": temperature, "topk": 0, "topp": topp,
                "max_decode_steps": max_new_tokens}
-    rng = jax.random.key(seed)
     tokens, aux = model.predict_batch_with_aux(
-        params, batch, rng, decoder_params=options, num_decodes=1,
-        max_decode_length=decode_length, decode_fn=decoding.temperature_sample)
+        unflatten_params(flat_params), features(inputs), jax.random.key(seed),
+        decoder_params=options, num_decodes=1, max_decode_length=decode_length,
+        decode_fn=decoding.temperature_sample)
+    return tokens.astype(jnp.int32), aux["scores"].astype(jnp.float32)
+
+  def beam(flat_params, inputs, max_new_tokens, alpha):
+    # The live model's beam call (generation.Generator._make_beam_fn) without its
+    # min_log_prob stop (None: never, as the live default -inf) and per-token log-probs.
+    tokens, aux = model.predict_batch_with_aux(
+        unflatten_params(flat_params), features(inputs), None,
+        decoder_params={"alpha": alpha, "max_decode_steps": max_new_tokens,
+                        "top_k": decoding.portable_top_k if for_tensorflow else jax.lax.top_k},
+        num_decodes=num_beams, max_decode_length=decode_length,
+        decode_fn=decoding.beam_search)
     return tokens.astype(jnp.int32), aux["scores"].astype(jnp.float32)
 
   if method == "greedy":
     # A Python 0 temperature compiles the greedy-only loop (no sampling, no sort).
     return lambda p, x, m: run(p, x, m, 0.0, 0.0, 0)
+  if method == "beam":
+    return beam
   return run
 
 
@@ -134,7 +163,27 @@ def arg_specs(method: str, shape: Shape) -> list[dict]:
     specs += [{"name": "temperature", "shape": [b], "dtype": "float32"},
               {"name": "topp", "shape": [b], "dtype": "float32"},
               {"name": "seed", "shape": [], "dtype": "uint32"}]
+  if method == "beam":
+    specs += [{"name": "alpha", "shape": [], "dtype": "float32"}]
   return specs
+
+
+def check_methods(methods: tuple[str, ...], num_beams: int | None) -> int | None:
+  """The beam size to export (None without beam); a one-line UserError for an unknown
+  method, a --num_beams without beam, or a beam size below 2."""
+  for m in methods:
+    if m not in METHODS:
+      raise UserError(f"--methods: unknown method {m!r}; choose from {', '.join(METHODS)}")
+  if "beam" not in methods:
+    if num_beams is not None:
+      raise UserError(f"--num_beams {num_beams} applies to beam search only; add beam to "
+                      "--methods or drop --num_beams")
+    return None
+  n = DEFAULT_NUM_BEAMS if num_beams is None else num_beams
+  if n < 2:
+    raise UserError(f"--num_beams {n}: beam search needs >= 2 beams (one beam is greedy: "
+                    "export --methods greedy)")
+  return n
 
 
 def _distribution(requirement: str) -> str:
@@ -207,8 +256,9 @@ def check_output(out_dir: str) -> str:
 
 
 def export_jax(model, params: dict, vocab, out_dir: str, *, shapes: list[Shape],
-               methods: tuple[str, ...] = ("greedy",), platforms: tuple[str, ...] | None = None,
-               source: dict | None = None, log=print) -> dict:
+               methods: tuple[str, ...] = ("greedy",), num_beams: int | None = None,
+               platforms: tuple[str, ...] | None = None, source: dict | None = None,
+               log=print) -> dict:
   """Exports `model`'s generate functions with `params` and `vocab` into `out_dir`.
 
   Args:
@@ -217,16 +267,15 @@ def export_jax(model, params: dict, vocab, out_dir: str, *, shapes: list[Shape],
     vocab: its vocabulary (SentencePiece), or None (the artifact then takes token ids).
     out_dir: a directory to create (must not exist or be empty).
     shapes: the (batch, input length, decode length) shapes to export.
-    methods: 'greedy' and/or 'sample'.
+    methods: any of 'greedy', 'sample', 'beam'.
+    num_beams: beam search's beam size (with 'beam' only; default 4).
     platforms: jax.export platforms (default: this machine's backend), e.g. ('cpu', 'cuda').
     source: provenance to record (checkpoint path, format, step).
 
   Returns:
     The manifest (also written as manifest.json).
   """
-  for m in methods:
-    if m not in METHODS:
-      raise UserError(f"--methods: unknown method {m!r}; choose from {', '.join(METHODS)}")
+  num_beams = check_methods(methods, num_beams)
   config = model.config
   check_shapes(shapes, config, vocab)
   out_dir = check_output(out_dir)
@@ -248,7 +297,8 @@ def export_jax(model, params: dict, vocab, out_dir: str, *, shapes: list[Shape],
         start = time.perf_counter()
         specs = arg_specs(method, shape)
         avals = [jax.ShapeDtypeStruct(tuple(a["shape"]), np.dtype(a["dtype"])) for a in specs]
-        fn = jax.jit(generate_fn(model, method, shape.decode_length))
+        fn = jax.jit(generate_fn(model, method, shape.decode_length,
+                                 num_beams or DEFAULT_NUM_BEAMS))
         exported = jax.export.export(fn, platforms=platforms)(param_avals, *avals)
         name = (f"functions/{method}_b{shape.batch}_i{shape.input_length}"
                 f"_l{shape.decode_length}.jaxexp")
@@ -276,6 +326,7 @@ def export_jax(model, params: dict, vocab, out_dir: str, *, shapes: list[Shape],
                   "num_parameters": int(sum(v.size for v in flat.values()))},
         "source": source or {},
         "eos_id": eos, "eos_ids": list(dict.fromkeys([eos] + stops)), "pad_id": 0,
+        "num_beams": num_beams,  # the beam functions' beam size; None without beam
         "vocabulary": vocab_entry,
         "parameters": {"file": PARAMS_FILE,
                        "tree": {k: {"shape": list(v.shape), "dtype": str(v.dtype)}
