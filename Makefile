@@ -1,6 +1,6 @@
 # make demo: train a small T5 on the bundled Bible task, evaluate BLEU, show translations.
-# make test: the whole test suite (about 35 min on 2 CPU cores, two pytest workers);
-# make test-fast (2.5 min): all but the tests marked slow, for your own edit-test loop.
+# make test: the whole test suite (about 37 min on 2 CPU cores, two pytest workers);
+# make test-fast (under 3 min): all but the tests marked slow, for your own edit-test loop.
 # make bench: the benchmarks.
 # Each creates .venv (Python 3.11) if it is missing and installs what it uses: the demo
 # only the library, test adds pytest + the numerical references (torch, transformers)

@@ -119,6 +119,7 @@ def _noisy_task(name):
       output_features={"targets": seqio.Feature(vocab)}, overwrite=True)
 
 
+@pytest.mark.slow  # four pipeline runs
 def test_base_seed_makes_a_random_step_reproducible(tmp_path, shared_cache):
   try:
     _noisy_task("noisy_a")

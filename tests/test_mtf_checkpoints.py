@@ -326,6 +326,7 @@ def test_finetunes_from_the_fixture_as_initial_checkpoint(tmp_path):
 # ---------------------------------------------------------------------------- in a bucket
 
 
+@pytest.mark.slow  # the bucket emulators
 def test_a_bucket_checkpoint_reads_as_the_local_one(bucket_env, cache):
   from t5forge import storage
   _, bucket = bucket_env
