@@ -18,7 +18,7 @@ import statistics
 import threading
 import time
 
-from bench import serve
+from bench import serve_client
 from bench.prepare import CACHE_DIR
 from bench.workers import REPO_ROOT, log
 from t5forge import testing
@@ -104,7 +104,7 @@ def open_loop(port: int, model: str, prompts: list[str], rate: float, plan: Plan
     body = {"model": model, "prompt": prompts[k % len(prompts)], "max_tokens": tokens[k],
             "temperature": 0, "stream": True}
     try:
-      r = serve._one(conn, body, True)
+      r = serve_client.one(conn, body, True)
       with lock:
         idle.append((conn, time.monotonic()))
     except (OSError, http.client.HTTPException, ValueError) as e:
@@ -129,7 +129,7 @@ def open_loop(port: int, model: str, prompts: list[str], rate: float, plan: Plan
   with lock:
     for conn, _ in idle:
       conn.close()
-  row = serve._summarize(results, wall, None, True)
+  row = serve_client.summarize(results, wall, None, True)
   row.update(offered_per_s=rate, arrivals_s=arrivals[-1],
              late_max_s=max(r["late_s"] for r in results))
   return row
@@ -163,7 +163,7 @@ def hostile(port: int, model: str, prompts: list[str], plan: Plan, total: int,
             return
           body = bodies.pop()
         try:
-          status = serve._one(conn, body, False)["status"]
+          status = serve_client.one(conn, body, False)["status"]
         except (OSError, http.client.HTTPException, ValueError):
           status = None
           conn.close()
@@ -225,29 +225,29 @@ def session(path: str, plan: Plan, scheduler: str, round_: int, prompts: list[st
     model_id = body["data"][0]["id"] if status == 200 else "t5forge"
     port, mixed = server.port, mixed_tokens(plan)
     # Warm-up: every length through the whole stack, plain and streamed.
-    warm = [serve.drive(port, model_id, prompts, 2, 4, mixed),
-            serve.drive(port, model_id, prompts, 2, 2, plan.new_tokens),
-            serve.drive(port, model_id, prompts, 2, 2, mixed, stream=True)]
+    warm = [serve_client.drive(port, model_id, prompts, 2, 4, mixed),
+            serve_client.drive(port, model_id, prompts, 2, 2, plan.new_tokens),
+            serve_client.drive(port, model_id, prompts, 2, 2, mixed, stream=True)]
     served = sum(r["requests"] for r in warm)
     out["warmup_errors"] = sum(r["error_count"] for r in warm)
-    names = list(serve.scrape(server.url))
-    hist = serve.pick_histograms(names)
+    names = list(serve_client.scrape(server.url))
+    hist = serve_client.pick_histograms(names)
     for key in ("step", "encode"):  # the engine's: one k-step decode call, one insert
       hist[key] = f"t5forge_{key}_seconds" if f"t5forge_{key}_seconds" in names else None
     out["histograms"] = hist
 
     def measured(name: str, load) -> dict:
-      m0 = serve.scrape(server.url)
+      m0 = serve_client.scrape(server.url)
       row = load()
-      m1 = serve.scrape(server.url)
+      m1 = serve_client.scrape(server.url)
       for key, metric in hist.items():
         if metric:
-          row[key] = serve.histogram_delta(m0, m1, metric)
+          row[key] = serve_client.histogram_delta(m0, m1, metric)
       out[name] = row
       log(f"  {name}: {row['tokens_per_s']:.1f} tok/s, {row['requests_per_s']:.2f} req/s, "
-          f"p50 {serve._fmt(row['p50_s'])} s, p99 {serve._fmt(row['p99_s'])} s"
-          + (f", first text p50 {serve._fmt(row['first_token_p50_s'])} s, p99 "
-             f"{serve._fmt(row['first_token_p99_s'])} s" if row["stream"] else "")
+          f"p50 {serve_client.fmt(row['p50_s'])} s, p99 {serve_client.fmt(row['p99_s'])} s"
+          + (f", first text p50 {serve_client.fmt(row['first_token_p50_s'])} s, p99 "
+             f"{serve_client.fmt(row['first_token_p99_s'])} s" if row["stream"] else "")
           + f", errors {row['error_count']}")
       return row
 
@@ -256,7 +256,7 @@ def session(path: str, plan: Plan, scheduler: str, round_: int, prompts: list[st
       for total in plan.rss_requests:
         log(f"  RSS: mixed lengths, concurrency {plan.mixed_concurrency}, up to {total} "
             "requests served")
-        loads.append(serve.drive(port, model_id, prompts, plan.mixed_concurrency,
+        loads.append(serve_client.drive(port, model_id, prompts, plan.mixed_concurrency,
                                  max(0, total - served), mixed))
         served += loads[-1]["requests"]
         out["rss"].append({"served": served, **vm_kib(server.proc.pid)})
@@ -276,7 +276,7 @@ def session(path: str, plan: Plan, scheduler: str, round_: int, prompts: list[st
       served += sum(x["requests"] for x in h["loads"])
       out["hostile_errors"] = sum(x["error_count"] for x in h["loads"])
     if "mixed" in plan.scenarios:
-      measured("mixed", lambda: serve.drive(port, model_id, prompts, plan.mixed_concurrency,
+      measured("mixed", lambda: serve_client.drive(port, model_id, prompts, plan.mixed_concurrency,
                                             plan.mixed_requests, mixed))
     if "open" in plan.scenarios:
       if shared.get("rate") is None:
@@ -290,7 +290,7 @@ def session(path: str, plan: Plan, scheduler: str, round_: int, prompts: list[st
           f"{shared['rate']:.2f}/s")
       measured("open", lambda: open_loop(port, model_id, prompts, shared["rate"], plan))
     if "uniform" in plan.scenarios:
-      measured("uniform", lambda: serve.drive(port, model_id, prompts,
+      measured("uniform", lambda: serve_client.drive(port, model_id, prompts,
                                               plan.uniform_concurrency, plan.uniform_requests,
                                               plan.new_tokens))
     out["compiles_since_ready"] = gauge(server.url, "t5forge_compiles_since_ready")
@@ -304,15 +304,15 @@ def session(path: str, plan: Plan, scheduler: str, round_: int, prompts: list[st
 
 # -- the run ------------------------------------------------------------------------------
 def run(plan: Plan, seed: int, server_args: list[str]) -> dict:
-  path = serve.build_checkpoint(plan, seed)
-  offline = serve.Offline(path, plan)
+  path = serve_client.build_checkpoint(plan, seed)
+  offline = serve_client.Offline(path, plan)
   report = {"checkpoint": os.path.relpath(path, REPO_ROOT),
             "model": f"{plan.preset} shape, random init (seed {seed}), vocabulary "
                      f"bible_en_es_8k.model + {testing.EXTRA_IDS} extra ids "
                      f"({offline.vocab.vocab_size})",
             "plan": dataclasses.asdict(plan), "notes": []}
   log(f"screening prompts (offline greedy, all {plan.long_tokens} new tokens without EOS)")
-  candidates = serve.candidate_prompts(offline.vocab, plan.prompts * 2, plan.input_tokens - 1)
+  candidates = serve_client.candidate_prompts(offline.vocab, plan.prompts * 2, plan.input_tokens - 1)
   prompts = offline.full_length(candidates, plan.max_batch_size, plan.long_tokens)
   prompts = prompts[:plan.prompts]
   if len(prompts) < plan.max_batch_size:
@@ -473,8 +473,8 @@ def render(report: dict) -> str:
   get = lambda s, k, key: (s.get(k) or {}).get(key)
   body = [[s["scheduler"], str(s["round"] + 1), f"{s['ready_s']:.0f}",
            _cell(get(s, "mixed", "tokens_per_s"), ".1f"),
-           serve._fmt(get(s, "open", "first_token_p50_s")),
-           serve._fmt(get(s, "open", "first_token_p99_s")),
+           serve_client.fmt(get(s, "open", "first_token_p50_s")),
+           serve_client.fmt(get(s, "open", "first_token_p99_s")),
            _cell(get(s, "uniform", "tokens_per_s"), ".1f"),
            " / ".join(f"{t:.3f}" for t in s["offline_adjacent_s"]),
            _cell(s["compiles_since_ready"], "d"), str(s["error_count"]), str(s["exit_code"])]
