@@ -207,20 +207,8 @@ def preprocess_shard(task: tasks.Task, split: str, start: int, stop: int,
     if kind == "stream":
       it = p(it, **pre.call_kwargs(p, dict(ctx, rng=np.random.default_rng([seed, step]))))
     else:
-      it = _map(p, it, ctx, seed, step, flat=(kind == "flat_map"))
+      it = tasks.map_examples(p, it, step, ctx, flat=(kind == "flat_map"), seed=seed)
   return it
-
-
-def _map(p, examples, ctx, seed, step, flat):
-  kwargs = pre.call_kwargs(p, dict(ctx, rng=None))
-  for i, ex in enumerate(examples):
-    if "rng" in kwargs:
-      kwargs["rng"] = np.random.default_rng([seed, step, i])
-    out = p(ex, **kwargs)
-    if flat:
-      yield from out
-    elif out is not None:
-      yield out
 
 
 class _PreprocessShards(beam.DoFn):

@@ -427,15 +427,17 @@ def _run_offline(source: src.SplitSource, steps: Sequence[Any], ctx: Mapping[str
       kwargs = pre.call_kwargs(p, dict(ctx, rng=np.random.default_rng([_OFFLINE_SEED, n])))
       it = p(it, **kwargs)
     else:
-      it = _offline_map(p, it, n, ctx, flat=(kind == "flat_map"))
+      it = map_examples(p, it, n, ctx, flat=(kind == "flat_map"))
   return it
 
 
-def _offline_map(p, examples, step, ctx, flat):
+def map_examples(p, examples, step, ctx, flat, seed: int = _OFFLINE_SEED):
+  """Runs a per-example (or flat_map) preprocessor p over examples; one taking `rng` gets
+  a generator seeded by (seed, step, example index), so a rerun draws the same."""
   kwargs = pre.call_kwargs(p, dict(ctx, rng=None))
   for i, ex in enumerate(examples):
     if "rng" in kwargs:
-      kwargs["rng"] = np.random.default_rng([_OFFLINE_SEED, step, i])
+      kwargs["rng"] = np.random.default_rng([seed, step, i])
     out = p(ex, **kwargs)
     if flat:
       yield from out
