@@ -326,14 +326,20 @@ def test_finetunes_from_the_fixture_as_initial_checkpoint(tmp_path):
 # ---------------------------------------------------------------------------- in a bucket
 
 
+def _upload_fixture(url: str) -> None:
+  """The fixture's files (not its hf/ directory) under the bucket URL."""
+  from t5forge import storage
+  for name in os.listdir(FIXTURE):
+    if os.path.isfile(os.path.join(FIXTURE, name)):
+      storage.upload(os.path.join(FIXTURE, name), f"{url}/{name}")
+
+
 @pytest.mark.slow  # the bucket emulators
 def test_a_bucket_checkpoint_reads_as_the_local_one(bucket_env, cache):
   from t5forge import storage
   _, bucket = bucket_env
   url = bucket + "/pretrained_models/t5_1_1_tiny"
-  for name in os.listdir(FIXTURE):
-    if os.path.isfile(os.path.join(FIXTURE, name)):
-      storage.upload(os.path.join(FIXTURE, name), f"{url}/{name}")
+  _upload_fixture(url)
   storage.write_bytes(f"{url}/model.ckpt-5.data-00000-of-00001", b"an older step's shard")
   local = load_checkpoint(PREFIX)
   for given in (url + "/model.ckpt-1000000", url + "/model.ckpt-1000000.index", url):
@@ -520,13 +526,10 @@ def test_a_model_that_does_not_fit_the_checkpoint_is_one_line():
 @pytest.mark.slow
 @pytest.mark.parametrize("bucket_env", ["gs"], indirect=True)
 def test_finetunes_from_a_checkpoint_in_a_gcs_bucket(bucket_env, tmp_path):
-  from t5forge import storage
   from train_helpers import ROOT, read_jsonl, train_in_process
   _, bucket = bucket_env
   url = bucket + "/pretrained_models/t5_1_1_tiny"
-  for name in os.listdir(FIXTURE):
-    if os.path.isfile(os.path.join(FIXTURE, name)):
-      storage.upload(os.path.join(FIXTURE, name), f"{url}/{name}")
+  _upload_fixture(url)
   (tmp_path / "mtf_tasks.py").write_text(TASKS_PY)
   gin = tmp_path / "finetune.gin"
   gin.write_text(FINETUNE_GIN.replace("TRAIN_STEPS = 1000020", "TRAIN_STEPS = 1000010"))
